@@ -1,0 +1,3 @@
+"""synccheck: find and fix gradient-synchronization misuse in PyTorch data-parallel training."""
+
+__version__ = "0.1.0"

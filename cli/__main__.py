@@ -1,0 +1,3 @@
+from synccheck.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The corrective runtime library: a correct gradient-accumulation context and local SGD."""
