@@ -1,0 +1,83 @@
+"""``synccheck lint`` and ``synccheck rule``. Imports nothing heavy until it knows it needs to."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from synccheck.analyzer.files import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):   # one line and exit 2, like ruff
+        raise UsageError(message)
+
+
+def _codes(value: str) -> list:
+    return [c.strip().upper() for c in value.split(",") if c.strip()]
+
+
+def _check_codes(codes, option: str) -> None:
+    from synccheck.analyzer.rules import ALL_RULES
+
+    for code in codes or ():
+        if not any(r.code.startswith(code) for r in ALL_RULES) and code != "ALL":
+            raise UsageError(f"{option}: unknown rule code or prefix {code!r} (see `synccheck rule --all`)")
+
+
+def lint_main(argv: List[str]) -> int:
+    parser = _Parser(prog="synccheck lint",
+                     description="Check training scripts for gradient-synchronization misuse. "
+                                 "The code is parsed, never imported or run.")
+    parser.add_argument("paths", nargs="*", default=["."], help="files or folders (default: .)")
+    parser.add_argument("--format", "--output-format", dest="format", default="full",
+                        choices=("full", "concise", "json", "sarif", "github"))
+    parser.add_argument("--select", type=_codes, default=None, metavar="CODES",
+                        help="only these rule codes or prefixes, comma-separated (SC1, SC101)")
+    parser.add_argument("--ignore", type=_codes, default=None, metavar="CODES",
+                        help="skip these rule codes or prefixes")
+    parser.add_argument("--statistics", action="store_true", help="print a count per rule code")
+    parser.add_argument("--exit-zero", action="store_true", help="exit 0 even when there are findings")
+    parser.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: cores)")
+    try:
+        args = parser.parse_args(argv)
+        _check_codes(args.select, "--select")
+        _check_codes(args.ignore, "--ignore")
+        from synccheck.analyzer.engine import lint, select_rules
+        from synccheck.analyzer.report import render
+
+        select = None if args.select == ["ALL"] else args.select
+        result = lint(args.paths, select_rules(select, args.ignore), jobs=args.jobs)
+    except UsageError as exc:
+        print(f"synccheck lint: error: {exc}", file=sys.stderr)
+        return 2
+    render(result, args.format, sys.stdout, statistics=args.statistics)
+    if args.exit_zero:
+        return 0
+    return 1 if (result.findings or result.errors) else 0
+
+
+def rule_main(argv: List[str]) -> int:
+    parser = _Parser(prog="synccheck rule", description="Print a rule's documentation.")
+    parser.add_argument("code", nargs="?", help="a rule code (SC101) or name (sync-every-microstep)")
+    parser.add_argument("--all", action="store_true", help="list every rule")
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(f"synccheck rule: error: {exc}", file=sys.stderr)
+        return 2
+    from synccheck.analyzer.rules import ALL_RULES, BY_CODE, BY_NAME
+
+    if args.all or not args.code:
+        if not args.all:
+            print("synccheck rule: error: give a rule code (e.g. SC101) or --all", file=sys.stderr)
+            return 2
+        for r in ALL_RULES:
+            print(f"{r.code}  {r.name:<28} {r.severity:<8} {r.summary}")
+        return 0
+    rule: Optional[type] = BY_CODE.get(args.code.upper()) or BY_NAME.get(args.code.lower())
+    if rule is None:
+        print(f"synccheck rule: error: unknown rule {args.code!r} (see `synccheck rule --all`)", file=sys.stderr)
+        return 2
+    print(rule.documentation())
+    return 0

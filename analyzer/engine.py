@@ -1,0 +1,171 @@
+"""The pipeline, one stage a module: find files -> filter -> parse -> model -> rules -> report.
+
+``check_source`` runs stages 2-5 on one text; ``lint`` runs the whole pipeline over paths, in a process
+pool when enough files need parsing to pay for one.
+"""
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+from typing import Iterable, Optional, Sequence
+
+from synccheck.analyzer.files import discover
+from synccheck.analyzer.ftypes import Finding, LintResult
+from synccheck.analyzer.rules import ALL_RULES, BY_CODE
+from synccheck.analyzer.source import read_source
+
+SUPPRESS = re.compile(r"#\s*synccheck:\s*ignore(?:\[([A-Za-z0-9_,\s-]+)\])?")
+SUPPRESS_FILE = re.compile(r"#\s*synccheck:\s*ignore-file\b")
+# Parsing is ~20 ms a file; a pool costs ~50 ms to start on 2 cores.
+POOL_MIN_FILES = 8
+
+
+class RuleContext:
+    """What a rule sees of one module, and how it reports."""
+
+    def __init__(self, model, path: str) -> None:
+        self.model = model
+        self.path = path
+        self.raw: list = []
+        self._loops = None
+        self._unsynced: dict = {}
+
+    @property
+    def loops(self) -> list:
+        if self._loops is None:
+            from synccheck.analyzer.paths import accumulation_loops
+            self._loops = accumulation_loops(self.model)
+        return self._loops
+
+    def report(self, rule, node, message: str, fix: str = "") -> None:
+        self.raw.append((rule, node, message, fix))
+
+    def unsynced_step(self, acc) -> list:
+        """Boundary micro-steps whose gradients are never all-reduced, grouped by gate literals."""
+        key = id(acc)
+        if key not in self._unsynced:
+            self._unsynced[key] = [] if acc.too_complex else acc.all_groups(True, acc.unsynced)
+        return self._unsynced[key]
+
+    def describe(self, acc, lits) -> str:
+        from synccheck.analyzer.paths import describe_lits
+        return describe_lits(acc, lits)
+
+    @staticmethod
+    def model_name(key: Optional[str]) -> str:
+        if not key:
+            return "the model"
+        if key.startswith("@"):
+            return "self." + key.split(".", 1)[1]
+        return key
+
+
+def select_rules(select: Optional[Sequence[str]] = None, ignore: Optional[Sequence[str]] = None) -> list:
+    """Rules chosen by code prefixes, ruff style: ``SC1`` selects SC101..SC106."""
+    chosen = [r for r in ALL_RULES if not select or any(r.code.startswith(p) for p in select)]
+    return [r for r in chosen if not ignore or not any(r.code.startswith(p) for p in ignore)]
+
+
+def wanted_rules(text: str, rules: Sequence) -> list:
+    """Stage 2b: the cheap filter. Rules whose words the text lacks cannot fire; skip them."""
+    return [r for r in rules if r.code != "SC000" and r.wants(text)]
+
+
+def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = None,
+                 filtered: bool = True) -> list:
+    """Findings for one source text (no file system, no cache)."""
+    rules = list(ALL_RULES) if rules is None else list(rules)
+    if SUPPRESS_FILE.search(text):
+        return []
+    active = wanted_rules(text, rules) if filtered else [r for r in rules if r.code != "SC000"]
+    syntax_only = not active and any(r.code == "SC000" and r.wants(text) for r in rules)
+    if not active and not syntax_only:
+        return []
+    from synccheck.analyzer.parse import parse, syntax_error
+    module, error = (None, syntax_error(text)) if syntax_only else parse(text)
+    if module is None and error is None:
+        return []
+    if module is None:
+        if any(r.code == "SC000" for r in rules):
+            line, column, message = error
+            rule = BY_CODE["SC000"]
+            return _suppressed(text, [Finding(rule.code, rule.name, rule.severity, path, line, column, line,
+                                              column, f"cannot parse: {message}",
+                                              "fix the syntax error; nothing else in this file was checked")])
+        return []
+    from synccheck.analyzer.model import ModuleModel
+    ctx = RuleContext(ModuleModel(module, path), path)
+    for rule in active:
+        rule().check(ctx)
+    return _suppressed(text, _positioned(module, path, ctx.raw))
+
+
+def _positioned(module, path: str, raw: list) -> list:
+    """Positions only for reported nodes: PositionProvider costs ~10x the parse, so only flagged files pay."""
+    if not raw:
+        return []
+    from libcst.metadata import MetadataWrapper, PositionProvider
+
+    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
+    out: dict = {}
+    for rule, node, message, fix in raw:
+        pos = positions.get(node)
+        if pos is None:
+            continue
+        finding = Finding(rule.code, rule.name, rule.severity, path, pos.start.line, pos.start.column + 1,
+                          pos.end.line, pos.end.column + 1, message, fix)
+        out.setdefault((finding.code, finding.line, finding.column), finding)
+    return sorted(out.values(), key=lambda f: (f.line, f.column, f.code))
+
+
+def _suppressed(text: str, findings: list) -> list:
+    if not findings or "synccheck" not in text:
+        return findings
+    lines = text.splitlines()
+    kept = []
+    for f in findings:
+        source_line = lines[f.line - 1] if 0 < f.line <= len(lines) else ""
+        match = SUPPRESS.search(source_line)
+        if match and (match.group(1) is None or
+                      any(f.code.startswith(c.strip()) for c in match.group(1).split(",") if c.strip())):
+            continue
+        kept.append(f)
+    return kept
+
+
+def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
+         is_excluded=lambda path: False) -> LintResult:
+    rules = list(ALL_RULES) if rules is None else list(rules)
+    codes = tuple(r.code for r in rules)
+    files = discover(paths, is_excluded)
+    result = LintResult(files=len(files))
+    # Stage 2 in this process: reading and the word filter are cheap; only survivors go to workers.
+    todo = []
+    for path in files:
+        text, error = read_source(path)
+        if error is not None:
+            result.errors.append(error)
+            continue
+        if any(r.wants(text) for r in rules) and not SUPPRESS_FILE.search(text):
+            todo.append((path, text))
+    result.parsed = len(todo)
+    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    if jobs > 1 and len(todo) >= POOL_MIN_FILES:
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
+            chunks = pool.map(_check_file, [(text, path, codes) for path, text in todo],
+                              chunksize=max(1, len(todo) // (jobs * 4)))
+            for findings in chunks:
+                result.findings.extend(findings)
+    else:
+        for path, text in todo:
+            result.findings.extend(check_source(text, path, rules))
+    return result
+
+
+def _check_file(args) -> list:
+    text, path, codes = args
+    return check_source(text, path, [BY_CODE[c] for c in codes])

@@ -1,0 +1,68 @@
+"""What a rule is: metadata, documentation, examples that are also its tests, and a query.
+
+A rule never walks the syntax tree itself. It asks the module's training-loop model (``ctx.model``)
+and the accumulation loops walked from it (``ctx.loops``), and reports nodes with ``ctx.report``.
+Importing a rule module must stay cheap: no libcst, no torch (``synccheck rule SC101`` needs neither).
+"""
+from __future__ import annotations
+
+import re
+import textwrap
+from typing import ClassVar, Iterable
+
+EXPECT = re.compile(r"#\s*(SC\d{3})\b")
+
+
+class Rule:
+    code: ClassVar[str]
+    name: ClassVar[str]
+    severity: ClassVar[str]            # error | warning
+    summary: ClassVar[str]             # one line, for listings and SARIF
+    # A file is parsed for this rule only if it contains every word of ``requires`` and at least one
+    # word of ``words`` (when given). Most files of a code base fail this test and are never parsed.
+    requires: ClassVar[tuple] = ()
+    words: ClassVar[tuple] = ()
+    # Documentation, ruff's headings: What it does / Why is this bad? / Example / Use instead / References
+    what: ClassVar[str] = ""
+    why: ClassVar[str] = ""
+    use_instead: ClassVar[str] = ""
+    references: ClassVar[tuple] = ()
+    # Examples: VALID must produce no finding of this rule; in INVALID every line that must be
+    # reported ends with a ``# SCxxx`` comment. The first of each is the documentation's example.
+    VALID: ClassVar[tuple] = ()
+    INVALID: ClassVar[tuple] = ()
+
+    def check(self, ctx) -> Iterable:   # pragma: no cover - every rule overrides it
+        raise NotImplementedError
+
+    @classmethod
+    def wants(cls, text: str) -> bool:
+        return all(w in text for w in cls.requires) and (not cls.words or any(w in text for w in cls.words))
+
+    @classmethod
+    def documentation(cls) -> str:
+        example = textwrap.dedent(cls.INVALID[0]).strip("\n") if cls.INVALID else ""
+        fixed = textwrap.dedent(cls.VALID[0]).strip("\n") if cls.VALID else ""
+        parts = [f"# {cls.name} ({cls.code})", "", f"Severity: {cls.severity}", "",
+                 "## What it does", textwrap.dedent(cls.what).strip(), "",
+                 "## Why is this bad?", textwrap.dedent(cls.why).strip(), ""]
+        if example:
+            parts += ["## Example", "```python", example, "```", ""]
+        if cls.use_instead or fixed:
+            parts += ["## Use instead"]
+            if cls.use_instead:
+                parts += [textwrap.dedent(cls.use_instead).strip(), ""]
+            if fixed:
+                parts += ["```python", fixed, "```", ""]
+        if cls.references:
+            parts += ["## References"] + [f"- {ref}" for ref in cls.references] + [""]
+        return "\n".join(parts)
+
+    @staticmethod
+    def expected_lines(source: str) -> set:
+        """(line, code) pairs an INVALID example marks with ``# SCxxx``."""
+        out = set()
+        for number, line in enumerate(textwrap.dedent(source).splitlines(), start=1):
+            for code in EXPECT.findall(line):
+                out.add((number, code))
+        return out

@@ -1,0 +1,146 @@
+from synccheck.analyzer.rules.base import Rule
+
+FIX = ("let the forward and backward of the micro-step before `optimizer.step()` run with sync on; "
+       "`synccheck.runtime.GradientAccumulator` gets the boundary right")
+
+
+class UnsyncedStep(Rule):
+    code = "SC103"
+    name = "unsynced-step"
+    severity = "error"
+    summary = "The optimizer can step on gradients that were never all-reduced: ranks diverge"
+    requires = ("backward",)
+    words = ("no_sync", "require_backward_grad_sync", "no_backward_sync", "set_requires_gradient_sync")
+    what = """
+        Finds accumulation loops where the micro-step right before `optimizer.step()` runs with
+        gradient sync off: `no_sync()` around every micro-step, around the boundary one, a sync
+        condition that is the inverse of (or off by one from) the step's condition, or a forward
+        inside `no_sync()` whose backward runs outside it.
+    """
+    why = """
+        Under `no_sync()` each rank keeps its own local gradients. If the optimizer steps on them,
+        every rank applies a different update and the replicas silently drift apart: no error, no
+        warning, just a model that is no longer data-parallel (and a checkpoint from rank 0 that does
+        not match the others). DDP decides at forward time, so a forward inside `no_sync()` leaves
+        its backward un-reduced even when the backward runs outside the context.
+    """
+    use_instead = """
+        Sync exactly on the micro-step whose backward is followed by the optimizer step, using the
+        same condition for both.
+    """
+    INVALID = ("""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            with model.no_sync():  # SC103
+                loss = loss_fn(model(x), y) / accum_steps
+                loss.backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            with model.no_sync():
+                loss = loss_fn(model(x), y) / accum_steps
+            loss.backward()  # SC103
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            sync = (i + 1) % accum_steps == 0
+            with model.no_sync() if sync else nullcontext():  # SC103
+                loss = loss_fn(model(x), y) / accum_steps
+                loss.backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            if i % accum_steps != 0:
+                with model.no_sync():  # SC103
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+            else:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """)
+    VALID = ("""
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            sync = (i + 1) % accum_steps == 0
+            with nullcontext() if sync else model.no_sync():
+                loss = loss_fn(model(x), y) / accum_steps
+                loss.backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            sync_ctx = model.no_sync if (i + 1) % accum_steps != 0 else nullcontext
+            with sync_ctx():
+                loss = loss_fn(model(x), y) / accum_steps
+                loss.backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+        for i, (x, y) in enumerate(loader):
+            model.set_requires_gradient_sync((i + 1) % accum_steps == 0)
+            loss = loss_fn(model(x), y) / accum_steps
+            loss.backward()
+            if (i + 1) % accum_steps == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """)
+
+    def check(self, ctx):
+        for acc in ctx.loops:
+            for lits, backwards in ctx.unsynced_step(acc):
+                for b in backwards:
+                    if b.forward is not None and b.forward.state.value == "off" and b.state.value == "on":
+                        ctx.report(self, b.node,
+                                   f"the forward of this micro-step ran inside `{b.forward.state.how}` but "
+                                   f"this backward runs outside it: DDP decides at forward time, so these "
+                                   f"gradients are never all-reduced and the optimizer steps on each rank's "
+                                   f"own gradients; ranks silently diverge", FIX)
+                        continue
+                    state = b.forward.state if (b.forward is not None and b.kind in
+                                                ("ddp", "accelerate", "fabric")) else b.state
+                    every = not any(acc.wasteful(x) for p in acc.micro_steps(False) for x in acc.dp_backwards(p))
+                    when = ctx.describe(acc, lits)
+                    if every and not when:
+                        detail = "sync is off on every micro-step, the one before `optimizer.step()` included"
+                    else:
+                        detail = (f"sync is off on the micro-step before `optimizer.step()`"
+                                  f"{' (when ' + when + ')' if when else ''}: the sync condition does not "
+                                  f"match the step's condition")
+                    node = state.node if state.node is not None else b.node
+                    ctx.report(self, node,
+                               f"{detail}, so the optimizer steps on gradients that were never all-reduced "
+                               f"(`{state.how or 'no_sync'}`); each rank applies a different update and the "
+                               f"replicas silently diverge", FIX)

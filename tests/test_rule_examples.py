@@ -1,0 +1,33 @@
+"""Every rule's own VALID and INVALID examples are test cases (Fixit's idea: one source, three uses)."""
+import textwrap
+
+import pytest
+
+from synccheck.analyzer.engine import check_source
+from synccheck.analyzer.rules import ALL_RULES, Rule
+
+CASES = [(rule, kind, i, src) for rule in ALL_RULES
+         for kind, examples in (("valid", rule.VALID), ("invalid", rule.INVALID))
+         for i, src in enumerate(examples)]
+
+
+@pytest.mark.parametrize("rule,kind,index,source", CASES,
+                         ids=[f"{r.code}-{k}-{i}" for r, k, i, _ in CASES])
+def test_rule_example(rule, kind, index, source):
+    source = textwrap.dedent(source).lstrip("\n")
+    found = check_source(source, "example.py")
+    got = {(f.line, f.code) for f in found if f.code == rule.code}
+    if kind == "valid":
+        assert got == set(), f"{rule.code} fired on its own valid example {index}: {found}"
+    else:
+        expected = {(line, code) for line, code in Rule.expected_lines(source) if code == rule.code}
+        assert expected, "an invalid example must mark at least one line"
+        assert got == expected, "\n".join(f"{f.line}:{f.column} {f.code} {f.message}" for f in found)
+
+
+def test_every_rule_has_examples_and_docs():
+    for rule in ALL_RULES:
+        assert rule.INVALID, rule.code
+        doc = rule.documentation()
+        for heading in ("## What it does", "## Why is this bad?", "## Example"):
+            assert heading in doc, (rule.code, heading)
