@@ -558,6 +558,8 @@ class ModuleModel:
 
     def _small(self, small, line, ctx: "_Ctx") -> list:
         if isinstance(small, cst.Expr):
+            if isinstance(small.value, cst.Yield):
+                return self._expr_events(small.value.value, ctx) + [Event("yield", small)]
             return self._expr_events(small.value, ctx)
         if isinstance(small, (cst.Assign, cst.AnnAssign, cst.AugAssign)):
             value = small.value

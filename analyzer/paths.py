@@ -239,6 +239,7 @@ class Walker:
         self.micro_loop = micro_loop
         self.gate_atoms: set = set()
         self.atom_text: dict = {}
+        self.mod_forms: dict = {}     # atom -> (i, n, residue) for ``(i + c) % n == r``
         self.exploded = False
         self.last_atom: Optional[str] = None
         self.last_bound: Optional[str] = None
@@ -288,34 +289,34 @@ class Walker:
         mod = _mod_form(node)
         if mod is not None:
             key = "MOD" + repr(mod)
+            self.mod_forms[key] = mod
         self.atom_text.setdefault(key, self.model.code(expr).strip())
         return key, polarity
+
+    def _excluded(self, path: Path, atom: str) -> bool:
+        """``(i + c) % n == 0`` is false on a path that assumed ``(i + d) % n == 0`` with c != d."""
+        form = self.mod_forms.get(atom)
+        if form is None:
+            return False
+        for other, value in path.lits.items():
+            o = self.mod_forms.get(other)
+            if value and o is not None and o[:2] == form[:2] and o[2] != form[2]:
+                return True
+        return False
 
     def assume(self, path: Path, atom: str, value: bool) -> bool:
         """Add a literal; False when it contradicts what the path already assumed."""
         if atom in path.lits:
             return path.lits[atom] == value
-        if value and atom.startswith("MOD"):
-            base, modulus, residue = eval(atom[3:])   # our own repr of (str, str, int)
-            for other, v in path.lits.items():
-                if v and other.startswith("MOD"):
-                    b2, m2, r2 = eval(other[3:])
-                    if b2 == base and m2 == modulus and r2 != residue:
-                        return False
+        if value and self._excluded(path, atom):
+            return False
         path.lits[atom] = value
         return True
 
     def fixed(self, path: Path, atom: str) -> Optional[bool]:
         if atom in path.lits:
             return path.lits[atom]
-        if atom.startswith("MOD"):
-            base, modulus, residue = eval(atom[3:])
-            for other, v in path.lits.items():
-                if v and other.startswith("MOD"):
-                    b2, m2, r2 = eval(other[3:])
-                    if b2 == base and m2 == modulus and r2 != residue:
-                        return False
-        return None
+        return False if self._excluded(path, atom) else None
 
     def cond(self, expr, path: Path, depth: int = 0) -> list:
         """Fork ``path`` on a condition: [(path, truth), ...]."""
@@ -387,14 +388,9 @@ class Walker:
     def related_to_gate(self, atom: str) -> bool:
         if atom in self.gate_atoms:
             return True
-        if atom.startswith("MOD"):
-            base, modulus, _ = eval(atom[3:])
-            for g in self.gate_atoms:
-                if g.startswith("MOD"):
-                    b2, m2, _ = eval(g[3:])
-                    if (b2, m2) == (base, modulus):
-                        return True
-        return False
+        form = self.mod_forms.get(atom)
+        return form is not None and any(self.mod_forms.get(g, (None, None))[:2] == form[:2]
+                                        for g in self.gate_atoms)
 
     # -- sync controls ------------------------------------------------------------------------------
     def controls_of(self, expr, path: Path, with_node, depth: int = 0) -> list:
@@ -485,18 +481,18 @@ class Walker:
                 controls = p.controls[len(path.controls):]
                 p.controls = path.controls
                 out.append((p, controls[-1] if controls else None))
-            return out or [(path, None)]
-        for n in walk_ir(helper.body, into_loops=False):
-            if isinstance(n, Exit) and n.kind == "return" and n.value is not None:
-                pass
-        # evaluate the returns along the helper's paths
-        for p in self.run(helper.body, [p0], stop_at_return=True):
-            value = p.env.pop("__return__", None)
-            if value is None:
-                out.append((p, None))
-            else:
-                out.extend(self.controls_of(value, p, with_node, depth + 1))
-        return out or [(path, None)]
+        else:
+            for p in self.run(helper.body, [p0], stop_at_return=True):
+                value = p.env.pop("__return__", None)
+                if value is None:
+                    out.append((p, None))
+                else:
+                    out.extend(self.controls_of(value, p, with_node, depth + 1))
+        for p, _ in out:
+            # back in the caller: its names, not the helper's parameters; only the assumptions stay
+            p.env = dict(path.env)
+            p.ended = None
+        return [(p, c) for p, c in out if p.ended is None] or [(path, None)]
 
     # -- state --------------------------------------------------------------------------------------
     def kind_of(self, key: Optional[str], path: Path) -> Optional[str]:
@@ -733,11 +729,6 @@ def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, 
         paths = walker.run(micro.body, [start])
     paths = [p for p in paths if p.ended != "raise"]
     controls: dict = {}
-    for n in walk_ir(scope):
-        if isinstance(n, With):
-            for p in paths:
-                for c in p.controls:
-                    pass
     for p in paths:
         for r in p.records:
             if isinstance(r, Backward) and r.state.value in ("off", "managed") and r.state.node is not None:
@@ -750,7 +741,9 @@ def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, 
         if isinstance(n, With) and any(_mentions_sync(model, item) for item in n.items):
             controls.setdefault(None, []).append(n.node)
     step_nodes = [n.node for n in walk_ir(scope) if isinstance(n, Event) and n.kind == "step"]
-    acc = AccumulationLoop(micro, function, nested, paths, walker.gate_atoms, controls, step_nodes,
+    # conditions of the form (i + c) % n == 0 over the step's own i and n are as good as the gate
+    gate = set(walker.gate_atoms) | {a for p in paths for a in p.lits if walker.related_to_gate(a)}
+    acc = AccumulationLoop(micro, function, nested, paths, gate, controls, step_nodes,
                            step_first=any(p.steps_before_backward() for p in paths),
                            too_complex=walker.exploded, atom_text=walker.atom_text)
     return acc
