@@ -79,13 +79,17 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     if SUPPRESS_FILE.search(text):
         return []
     active = wanted_rules(text, rules) if filtered else [r for r in rules if r.code != "SC000"]
-    syntax_only = not active and any(r.code == "SC000" and r.wants(text) for r in rules)
-    if not active and not syntax_only:
+    if not active:
         return []
-    from synccheck.analyzer.parse import parse, syntax_error
-    module, error = (None, syntax_error(text)) if syntax_only else parse(text)
-    if module is None and error is None:
-        return []
+    from synccheck.analyzer.narrow import narrow
+    from synccheck.analyzer.parse import parse
+
+    anchors = tuple(sorted({w for r in active for w in r.anchors}))
+    loop_anchors = tuple(sorted({w for r in active for w in r.loop_anchors}))
+    narrowed, tree, error = narrow(text, anchors, loop_anchors)
+    module = None
+    if narrowed is not None:
+        module, error = parse(narrowed)
     if module is None:
         if any(r.code == "SC000" for r in rules):
             line, column, message = error
@@ -147,7 +151,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
         if error is not None:
             result.errors.append(error)
             continue
-        if any(r.wants(text) for r in rules) and not SUPPRESS_FILE.search(text):
+        if wanted_rules(text, rules) and not SUPPRESS_FILE.search(text):
             todo.append((path, text))
     result.parsed = len(todo)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)

@@ -18,6 +18,7 @@ The model is built once per parsed file and every rule queries it. It holds:
 from __future__ import annotations
 
 import ast
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
@@ -242,7 +243,7 @@ class ModuleModel:
 
     # -- imports -----------------------------------------------------------------------------------
     def _collect_imports(self) -> None:
-        for node in _walk_cst(self.module):
+        for node in _small_statements(self.module.body):
             if isinstance(node, cst.Import):
                 for alias in node.names:
                     full = dotted(alias.name)
@@ -762,32 +763,58 @@ def _is_contextmanager(fdef: cst.FunctionDef) -> bool:
     return any(last_part(dotted(d.decorator)) in ("contextmanager",) for d in fdef.decorators)
 
 
-class _CallCollector(cst.CSTVisitor):
-    """Calls in evaluation order: arguments before the call that takes them. Lambdas are skipped."""
+_SKIP_FIELDS = ("lpar", "rpar", "comma", "semicolon", "whitespace", "operator", "equal", "star", "colon",
+                "dot", "lbracket", "rbracket", "lbrace", "rbrace", "header", "footer", "leading_lines")
+_FIELDS: dict = {}
 
-    def __init__(self) -> None:
-        self.calls: list = []
 
-    def leave_Call(self, original_node: cst.Call) -> None:
-        self.calls.append(original_node)
-
-    def visit_Lambda(self, node) -> bool:
-        return False
+def _fields(node) -> tuple:
+    names = _FIELDS.get(type(node))
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(node)
+                      if not any(f.name.startswith(s) or f.name.endswith(s) for s in _SKIP_FIELDS))
+        _FIELDS[type(node)] = names
+    return names
 
 
 def _calls(expr) -> list:
-    if expr is None:
-        return []
-    collector = _CallCollector()
-    expr.visit(collector)
-    return collector.calls
+    """Calls in evaluation order: arguments before the call that takes them. Lambdas are skipped.
+
+    A direct walk over the dataclass fields: libcst's visitor rebuilds every node it passes, which
+    made this the hottest function of the analyzer.
+    """
+    out: list = []
+
+    def walk(node) -> None:
+        if isinstance(node, (cst.Lambda, cst.SimpleString, cst.Name, cst.Integer, cst.Float)):
+            return
+        for name in _fields(node):
+            value = getattr(node, name)
+            if isinstance(value, cst.CSTNode):
+                walk(value)
+            elif isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, cst.CSTNode):
+                        walk(item)
+        if isinstance(node, cst.Call):
+            out.append(node)
+
+    if expr is not None:
+        walk(expr)
+    return out
 
 
-def _walk_cst(node):
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        if isinstance(n, (cst.Import, cst.ImportFrom)):
-            continue
-        stack.extend(reversed(n.children))
+def _small_statements(stmts):
+    """Every small statement (imports, assignments, ...) at any depth, without entering expressions."""
+    for stmt in stmts:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            yield from stmt.body
+        elif isinstance(stmt, cst.If):
+            yield from _small_statements(_block(stmt.body))
+            for orelse in _orelse_blocks(stmt):
+                yield from _small_statements(orelse)
+        elif isinstance(stmt, (cst.For, cst.While, cst.With, cst.FunctionDef, cst.ClassDef, cst.Try)):
+            yield from _small_statements(_block(stmt.body))
+            if isinstance(stmt, cst.Try):
+                for handler in stmt.handlers:
+                    yield from _small_statements(_block(handler.body))

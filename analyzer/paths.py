@@ -701,7 +701,7 @@ def _micro_loops(nodes, enclosing: Optional[tuple]):
             if _direct_backward(node.body):
                 if has_event(node.body, "step"):
                     yield node, [node], False
-                elif any(has_event([n], "step") for n in nodes[i + 1:]):
+                elif any(has_event([n], "step", into_loops=False) for n in nodes[i + 1:]):
                     # the step follows the loop: in the enclosing loop's body or after it
                     yield node, list(nodes[i:]), True
                 elif enclosing is not None:

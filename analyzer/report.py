@@ -67,7 +67,7 @@ def _full(result: LintResult, out: TextIO) -> None:
     from rich.console import Console
     from rich.text import Text
 
-    console = Console(file=out, highlight=False, soft_wrap=False,
+    console = Console(file=out, highlight=False, soft_wrap=not out.isatty(),
                       force_terminal=None if out.isatty() else False)
     sources: dict = {}
     for f in result.findings:

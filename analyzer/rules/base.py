@@ -39,6 +39,13 @@ class Rule:
     def wants(cls, text: str) -> bool:
         return all(w in text for w in cls.requires) and (not cls.words or any(w in text for w in cls.words))
 
+    # Words that make a function worth parsing for this rule (its callers and callees come along):
+    # ``anchors`` anywhere in the function, ``loop_anchors`` only inside a loop (or a function a loop
+    # calls). An accumulation rule needs a loop that runs backward; a function that runs backward
+    # once is of no interest to it.
+    anchors: ClassVar[tuple] = ()
+    loop_anchors: ClassVar[tuple] = ()
+
     @classmethod
     def documentation(cls) -> str:
         example = textwrap.dedent(cls.INVALID[0]).strip("\n") if cls.INVALID else ""

@@ -16,11 +16,10 @@ class ParseError(Rule):
         A file synccheck cannot parse is a file nothing checks: its training loop could waste every
         all-reduce or leave the ranks diverged and you would not know.
     """
-    # A file that mentions training but no other rule's words gets a compile()-only syntax check.
-    words = ("backward", "no_sync", "require_backward_grad_sync", "DistributedDataParallel")
     use_instead = "Fix the syntax error; Python 2 scripts need porting (`print(x)`, not `print x`)."
     INVALID = ("""
         for step, batch in enumerate(loader):
             print "step", step  # SC000
+            model.require_backward_grad_sync = True
             loss.backward()
     """,)

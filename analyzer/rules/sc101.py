@@ -9,9 +9,10 @@ class SyncEveryMicrostep(Rule):
     name = "sync-every-microstep"
     severity = "warning"
     summary = "Gradient accumulation all-reduces on every micro-step, not once per optimizer step"
-    requires = ("backward",)
-    words = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "Accelerator",
-             "accelerator", "Fabric", "fabric", "no_sync", "DDP", "FSDP", "require_backward_grad_sync")
+    requires = ("backward", "step(")
+    loop_anchors = ("backward",)
+    words = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", ".prepare(", "prepare_model",
+             "Fabric", "fabric.setup", "no_sync", "require_backward_grad_sync")
     what = """
         Finds gradient-accumulation loops on a DistributedDataParallel, FSDP, Accelerate or Fabric
         model where the optimizer steps every N micro-batches but nothing turns gradient sync off for

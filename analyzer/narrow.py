@@ -1,0 +1,179 @@
+"""Stage 3a: narrow a file to the code the rules can use, before libcst sees it.
+
+libcst is the right tree for analysis and fixes, but it costs ~50 us a line to build, and the files that
+mention ``backward`` are often the biggest in a code base (torch's own distributed test suite is 10k
+lines). CPython's ``ast`` parses ten times faster. So we parse with ``ast`` first -- which also gives
+syntax errors in CPython's own words -- and keep only:
+
+* every function or method that contains an *anchor* word of an active rule (``backward``, ``no_sync``,
+  a collective, ...) or a *fact* word (a wrapper being built: ``DistributedDataParallel``,
+  ``prepare``, ...), and every same-file function those call, transitively;
+* module- and class-level statements that are short or mention such a word (a script's body);
+* imports.
+
+Everything else is replaced, line for line, by ``...`` and blank lines: the narrowed text has the same
+line numbers and columns as the original, so findings point at the user's real lines.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional, Tuple
+
+# Where wrapped models, accelerators and samplers are made: facts every rule may need.
+FACT_WORDS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "prepare", "setup",
+              "deepspeed", "Accelerator", "Fabric", "DistributedSampler", "no_sync",
+              "require_backward_grad_sync", "set_requires_gradient_sync", "gradient_accumulation_steps")
+SHORT = 3   # module-level statements up to this many lines are kept: a script's assignments are its state
+
+
+def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
+    """(narrowed text, ast tree, None) or (None, None, (line, column, message)) for a syntax error.
+
+    ``loop_anchors``: words that matter only inside a loop (``backward``: an accumulation loop), or in
+    a function such a loop calls. ``anchors``: words that matter anywhere (a collective).
+    """
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as err:
+        return None, None, (err.lineno or 1, max(err.offset or 1, 1), err.msg or "invalid syntax")
+    except (ValueError, RecursionError, MemoryError) as exc:
+        return None, None, (1, 1, str(exc) or type(exc).__name__)
+    lines = text.splitlines(keepends=True)
+    if len(lines) < 200:
+        return text, tree, None       # small files: narrowing costs more than it saves
+
+    def segment(node) -> str:
+        return "".join(lines[_first_line(node) - 1:node.end_lineno])
+
+    all_defs = list(_defs(tree.body))
+    texts = {id(d): segment(d) for d in all_defs}
+    calls = {id(d): _called_names(d) for d in all_defs}
+    by_name: dict = {}
+    for d in all_defs:
+        by_name.setdefault(d.name, []).append(d)
+
+    # functions that run a loop anchor, themselves or through what they call
+    reaches = {d.name for d in all_defs if any(w in texts[id(d)] for w in loop_anchors)}
+    grown = True
+    while grown:
+        grown = False
+        for d in all_defs:
+            if d.name not in reaches and calls[id(d)] & reaches:
+                reaches.add(d.name)
+                grown = True
+    seeds = {id(d) for d in all_defs
+             if any(w in texts[id(d)] for w in anchors)
+             or (loop_anchors and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d)))}
+    keep = set(seeds)
+    # callers of the seeds: where the model they train was wrapped
+    grown = True
+    while grown:
+        grown = False
+        kept_names = {d.name for d in all_defs if id(d) in keep}
+        for d in all_defs:
+            if id(d) not in keep and calls[id(d)] & kept_names:
+                keep.add(id(d))
+                grown = True
+    # what the seeds call: helpers are inlined at their call sites
+    todo = [d for d in all_defs if id(d) in seeds]
+    while todo:
+        for name in calls[id(todo.pop())]:
+            for x in by_name.get(name, ()):
+                if id(x) not in keep:
+                    keep.add(id(x))
+                    todo.append(x)
+    # methods that bind a wrapper to ``self.x``: every method of the class sees it
+    keep |= {id(d) for d in all_defs if _binds_self_fact(d, lines)}
+    words = tuple(anchors) + tuple(loop_anchors) + FACT_WORDS
+    out = list(lines)
+
+    def blank(first: int, last: int, col: int) -> None:
+        """Lines first..last (1-based) become ``...`` at ``col`` and blank lines."""
+        out[first - 1] = " " * col + "...\n"
+        for i in range(first, last):
+            out[i] = "\n"
+
+    def own_lines(node) -> bool:
+        """The statement starts its first line and ends its last: safe to replace whole lines."""
+        first, last = lines[_first_line(node) - 1], lines[node.end_lineno - 1]
+        tail = last[node.end_col_offset:].strip() if node.end_col_offset is not None else ""
+        return not first[:node.col_offset].strip() and (not tail or tail.startswith("#"))
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if id(node) not in keep and node.body and _first_line(node.body[0]) > _header_end(node) \
+                        and own_lines(node.body[0]):
+                    blank(_first_line(node.body[0]), node.end_lineno, node.body[0].col_offset)
+                continue
+            if isinstance(node, ast.ClassDef):
+                visit(node.body)
+                continue
+            if node.end_lineno - node.lineno + 1 <= SHORT or not own_lines(node):
+                continue
+            if not any(w in segment(node) for w in words):
+                blank(_first_line(node), node.end_lineno, node.col_offset)
+
+    visit(tree.body)
+    return "".join(out), tree, None
+
+
+def _defs(body):
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        elif isinstance(node, ast.ClassDef):
+            yield from _defs(node.body)
+
+
+def _first_line(node) -> int:
+    """ast puts a decorated definition at its ``def`` line; its first line is the first decorator's."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
+
+
+def _loops(node):
+    for n in ast.walk(node):
+        if isinstance(n, (ast.For, ast.AsyncFor, ast.While)):
+            yield n
+
+
+def _loop_reaches(loop, lines, words, reaches) -> bool:
+    text = "".join(lines[loop.lineno - 1:loop.end_lineno])
+    return any(w in text for w in words) or bool(_called_names(loop) & reaches)
+
+
+def _binds_self_fact(node, lines) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                                             and t.value.id == "self" for t in n.targets):
+            text = "".join(lines[n.lineno - 1:n.end_lineno])
+            if any(w in text for w in FACT_WORDS):
+                return True
+    return False
+
+
+def _header_end(node) -> int:
+    """The line the ``def ...:`` header ends on (the body starts after it, unless on the same line)."""
+    ends = [node.lineno]
+    for part in (node.args, node.returns):
+        if part is not None and getattr(part, "end_lineno", None):
+            ends.append(part.end_lineno)
+    for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+        ends.append(arg.end_lineno or node.lineno)
+    for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
+        ends.append(default.end_lineno or node.lineno)
+    return max(ends)
+
+
+def _called_names(node) -> set:
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Name):
+                names.add(f.id)
+            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("self", "cls"):
+                names.add(f.attr)
+    return names
