@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -39,6 +40,9 @@ def lint_main(argv: List[str]) -> int:
     parser.add_argument("--statistics", action="store_true", help="print a count per rule code")
     parser.add_argument("--exit-zero", action="store_true", help="exit 0 even when there are findings")
     parser.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: cores)")
+    parser.add_argument("--no-cache", action="store_true", help="neither read nor write the results cache")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where the cache lives (default: $SYNCCHECK_CACHE_DIR or .synccheck_cache)")
     try:
         args = parser.parse_args(argv)
         _check_codes(args.select, "--select")
@@ -47,7 +51,9 @@ def lint_main(argv: List[str]) -> int:
         from synccheck.analyzer.report import render
 
         select = None if args.select == ["ALL"] else args.select
-        result = lint(args.paths, select_rules(select, args.ignore), jobs=args.jobs)
+        cache_dir = None if args.no_cache else (args.cache_dir or os.environ.get("SYNCCHECK_CACHE_DIR")
+                                                  or ".synccheck_cache")
+        result = lint(args.paths, select_rules(select, args.ignore), jobs=args.jobs, cache_dir=cache_dir)
     except UsageError as exc:
         print(f"synccheck lint: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
@@ -139,34 +138,71 @@ def _suppressed(text: str, findings: list) -> list:
 
 
 def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
-         is_excluded=lambda path: False) -> LintResult:
+         is_excluded=lambda path: False, cache_dir: Optional[str] = None) -> LintResult:
+    """The whole pipeline over files and folders. ``cache_dir=None``: no cache."""
     rules = list(ALL_RULES) if rules is None else list(rules)
     codes = tuple(r.code for r in rules)
     files = discover(paths, is_excluded)
     result = LintResult(files=len(files))
+    cache = None
+    if cache_dir is not None:
+        from synccheck.analyzer.cache import Cache, content_key
+        cache = Cache(cache_dir, codes)
     # Stage 2 in this process: reading and the word filter are cheap; only survivors go to workers.
     todo = []
     for path in files:
+        if cache is not None:
+            hit = cache.fresh(path)
+            if hit is not None:
+                result.findings.extend(hit[0])
+                result.errors.extend(hit[1])
+                result.cached += 1
+                continue
         text, error = read_source(path)
+        key = None
+        if cache is not None:
+            try:
+                with open(path, "rb") as fh:
+                    key = content_key(fh.read())
+            except OSError:
+                key = None
+            hit = cache.get(path, key) if key else None
+            if hit is not None:
+                result.findings.extend(hit[0])
+                result.errors.extend(hit[1])
+                result.cached += 1
+                cache.put(path, key, *hit)
+                continue
         if error is not None:
             result.errors.append(error)
+            if cache is not None and key:
+                cache.put(path, key, [], [error])
             continue
         if wanted_rules(text, rules) and not SUPPRESS_FILE.search(text):
-            todo.append((path, text))
+            todo.append((path, text, key))
+        elif cache is not None and key:
+            cache.put(path, key, [], [])
     result.parsed = len(todo)
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     if jobs > 1 and len(todo) >= POOL_MIN_FILES:
         import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
         with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
-            chunks = pool.map(_check_file, [(text, path, codes) for path, text in todo],
-                              chunksize=max(1, len(todo) // (jobs * 4)))
-            for findings in chunks:
-                result.findings.extend(findings)
+            # biggest files first, so one large file does not start last and finish alone
+            order = sorted(range(len(todo)), key=lambda i: -len(todo[i][1]))
+            outputs = pool.map(_check_file, [(todo[i][1], todo[i][0], codes) for i in order], chunksize=1)
+            found = dict(zip(order, outputs))
     else:
-        for path, text in todo:
-            result.findings.extend(check_source(text, path, rules))
+        found = {i: check_source(text, path, rules) for i, (path, text, _) in enumerate(todo)}
+    for i, (path, _, key) in enumerate(todo):
+        result.findings.extend(found[i])
+        if cache is not None and key:
+            cache.put(path, key, found[i], [])
+    if cache is not None:
+        cache.save()
+    result.findings.sort(key=lambda f: (f.path, f.line, f.column, f.code))
     return result
 
 

@@ -219,6 +219,7 @@ class ModuleModel:
         self.classes: dict[str, cst.ClassDef] = {}
         self.framework_setattrs: list[tuple[str, str, cst.CSTNode]] = []   # (obj key, attr, node)
         self._atom_cache: dict[int, str] = {}
+        self._expr_cache: dict[str, Optional[ast.AST]] = {}
         self._collect_defs(module.body, None)
         self._collect_imports()
         self._collect_facts(module.body, None, ())
@@ -233,13 +234,20 @@ class ModuleModel:
         cached = self._atom_cache.get(id(node))
         if cached is not None:
             return cached
-        text = self.code(node).strip()
-        try:
-            key = ast.dump(ast.parse("(" + text + ")", mode="eval").body)
-        except SyntaxError:
-            key = "".join(text.split())
+        tree = self.expr_ast(node)
+        key = ast.dump(tree) if tree is not None else "".join(self.code(node).split())
         self._atom_cache[id(node)] = key
         return key
+
+    def expr_ast(self, node) -> Optional[ast.AST]:
+        """The stdlib-ast form of an expression (cached by its text): conditions are compared as ASTs."""
+        text = self.code(node).strip()
+        if text not in self._expr_cache:
+            try:
+                self._expr_cache[text] = ast.parse("(" + text + ")", mode="eval").body
+            except SyntaxError:
+                self._expr_cache[text] = None
+        return self._expr_cache[text]
 
     # -- imports -----------------------------------------------------------------------------------
     def _collect_imports(self) -> None:

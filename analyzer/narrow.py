@@ -17,12 +17,16 @@ line numbers and columns as the original, so findings point at the user's real l
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional, Tuple
+
+CALL = re.compile(r"(?<![\w.])(?:self\.|cls\.)?(\w+)\s*\(")
 
 # Where wrapped models, accelerators and samplers are made: facts every rule may need.
 FACT_WORDS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "prepare", "setup",
               "deepspeed", "Accelerator", "Fabric", "DistributedSampler", "no_sync",
               "require_backward_grad_sync", "set_requires_gradient_sync", "gradient_accumulation_steps")
+SELF_FACT = re.compile(r"self\.\w+\s*(?::[^=]*)?=[^=].*(?:" + "|".join(FACT_WORDS) + ")")
 SHORT = 3   # module-level statements up to this many lines are kept: a script's assignments are its state
 
 
@@ -47,7 +51,7 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
 
     all_defs = list(_defs(tree.body))
     texts = {id(d): segment(d) for d in all_defs}
-    calls = {id(d): _called_names(d) for d in all_defs}
+    calls = {id(d): set(CALL.findall(texts[id(d)])) for d in all_defs}
     by_name: dict = {}
     for d in all_defs:
         by_name.setdefault(d.name, []).append(d)
@@ -63,7 +67,8 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
                 grown = True
     seeds = {id(d) for d in all_defs
              if any(w in texts[id(d)] for w in anchors)
-             or (loop_anchors and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d)))}
+             or (loop_anchors and any(w in texts[id(d)] for w in ("for ", "while "))
+                 and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d.body)))}
     keep = set(seeds)
     # callers of the seeds: where the model they train was wrapped
     grown = True
@@ -83,7 +88,7 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
                     keep.add(id(x))
                     todo.append(x)
     # methods that bind a wrapper to ``self.x``: every method of the class sees it
-    keep |= {id(d) for d in all_defs if _binds_self_fact(d, lines)}
+    keep |= {id(d) for d in all_defs if SELF_FACT.search(texts[id(d)])}
     words = tuple(anchors) + tuple(loop_anchors) + FACT_WORDS
     out = list(lines)
 
@@ -133,25 +138,20 @@ def _first_line(node) -> int:
     return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
 
 
-def _loops(node):
-    for n in ast.walk(node):
-        if isinstance(n, (ast.For, ast.AsyncFor, ast.While)):
-            yield n
+def _loops(body):
+    """Loops among the statements (expressions are never entered: that is where ast.walk spends)."""
+    for node in body:
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            yield node
+        for name in ("body", "orelse", "finalbody"):
+            yield from _loops(getattr(node, name, ()) or ())
+        for handler in getattr(node, "handlers", ()) or ():
+            yield from _loops(handler.body)
 
 
 def _loop_reaches(loop, lines, words, reaches) -> bool:
     text = "".join(lines[loop.lineno - 1:loop.end_lineno])
-    return any(w in text for w in words) or bool(_called_names(loop) & reaches)
-
-
-def _binds_self_fact(node, lines) -> bool:
-    for n in ast.walk(node):
-        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                                             and t.value.id == "self" for t in n.targets):
-            text = "".join(lines[n.lineno - 1:n.end_lineno])
-            if any(w in text for w in FACT_WORDS):
-                return True
-    return False
+    return any(w in text for w in words) or bool(set(CALL.findall(text)) & reaches)
 
 
 def _header_end(node) -> int:
@@ -165,15 +165,3 @@ def _header_end(node) -> int:
     for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
         ends.append(default.end_lineno or node.lineno)
     return max(ends)
-
-
-def _called_names(node) -> set:
-    names = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call):
-            f = n.func
-            if isinstance(f, ast.Name):
-                names.add(f.id)
-            elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("self", "cls"):
-                names.add(f.attr)
-    return names

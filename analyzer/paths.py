@@ -272,9 +272,8 @@ class Walker:
     def literal(self, expr) -> tuple:
         """(atom, polarity) for a leaf condition: ``a != b`` is ``not (a == b)``."""
         key = self.model.atom(expr)
-        try:
-            node = ast.parse("(" + self.model.code(expr).strip() + ")", mode="eval").body
-        except SyntaxError:
+        node = self.model.expr_ast(expr)
+        if node is None:
             return key, True
         polarity = True
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotEq):

@@ -1,0 +1,44 @@
+"""The results cache: a warm run over an unchanged tree parses nothing, and an edit is seen."""
+import os
+
+from synccheck.analyzer.engine import lint
+
+BAD = """from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(model)
+for i, x in enumerate(loader):
+    model(x).sum().backward()
+    if (i + 1) % 4 == 0:
+        optimizer.step()
+"""
+
+
+def test_warm_run_parses_nothing_and_edits_are_seen(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"train{i}.py").write_text(BAD)
+    (src / "util.py").write_text("x = 1\n")
+    cache = str(tmp_path / "cache")
+    cold = lint([str(src)], cache_dir=cache)
+    assert cold.parsed == 3 and cold.cached == 0 and len(cold.findings) == 3
+    warm = lint([str(src)], cache_dir=cache)
+    assert warm.parsed == 0 and warm.cached == 4
+    assert [(f.path, f.line, f.code) for f in warm.findings] == [(f.path, f.line, f.code) for f in cold.findings]
+    # an edit that fixes one file is seen (same size, so only the content tells)
+    fixed = BAD.replace("model(x).sum().backward()", "model(x).sum().backward()  # synccheck: ignore")
+    (src / "train1.py").write_text(fixed)
+    os.utime(src / "train1.py", ns=(1, 1))
+    after = lint([str(src)], cache_dir=cache)
+    assert after.parsed == 1 and len(after.findings) == 2
+
+
+def test_corrupt_cache_is_ignored(tmp_path):
+    (tmp_path / "train.py").write_text(BAD)
+    cache = tmp_path / "cache"
+    lint([str(tmp_path / "train.py")], cache_dir=str(cache))
+    for dirpath, _, names in os.walk(cache):
+        for name in names:
+            if name.endswith(".json"):
+                (open(os.path.join(dirpath, name), "w")).write("{not json")
+    again = lint([str(tmp_path / "train.py")], cache_dir=str(cache))
+    assert len(again.findings) == 1
