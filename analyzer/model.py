@@ -218,6 +218,16 @@ class ModuleModel:
         self.defs: dict[str, tuple[cst.FunctionDef, Optional[str]]] = {}   # "f" / "Cls.m" -> def
         self.classes: dict[str, cst.ClassDef] = {}
         self.framework_setattrs: list[tuple[str, str, cst.CSTNode]] = []   # (obj key, attr, node)
+        # the module a wrapper was built from, when the wrapper got another name: model -> ddp_model
+        self.originals: dict[str, str] = {}
+        # every sync control call: (call node, key of what it names, how it was spelled)
+        self.sync_calls: list[tuple[cst.Call, Optional[str], str]] = []
+        # ``accelerator.accumulate(model)`` calls: (call node, accelerator key)
+        self.accumulate_calls: list[tuple[cst.Call, Optional[str]]] = []
+        # optimizers whose zero_grad() is a no-op off the boundary (accelerate, DeepSpeed)
+        self.managed_optimizers: set[str] = set()
+        # loops over epochs: ``for epoch in ...`` or a loop holding another loop
+        self.epoch_loops: list[cst.CSTNode] = []
         self._atom_cache: dict[int, str] = {}
         self._expr_cache: dict[str, Optional[ast.AST]] = {}
         self._collect_defs(module.body, None)
@@ -374,6 +384,9 @@ class ModuleModel:
                         self._fact_expr(item.item, class_name, conds)
                 elif isinstance(stmt, cst.For):
                     self._fact_expr(stmt.iter, class_name, conds)
+                    target = dotted(stmt.target) or ""
+                    if "epoch" in target or _holds_loop(_block(stmt.body)):
+                        self.epoch_loops.append(stmt)
                 self._collect_facts(_block(stmt.body), class_name, conds)
                 if isinstance(stmt, cst.Try):
                     for handler in stmt.handlers:
@@ -412,8 +425,16 @@ class ModuleModel:
             if isinstance(call.func, cst.Attribute):
                 attr = call.func.attr.value
                 obj = dotted(call.func.value)
+                args = [a.value for a in call.args if a.keyword is None]
+                owner = self.key_for(obj, class_name)
                 if attr == "no_sync" and not call.args:
+                    self.sync_calls.append((call, owner, f"{obj}.no_sync()"))
                     self._infer_ddp(obj, class_name, call)
+                elif attr in ("no_sync", "no_backward_sync") and args and self.framework_kind(owner):
+                    target = self.key_for(dotted(args[0]), class_name)
+                    self.sync_calls.append((call, target, f"{obj}.{attr}({dotted(args[0]) or '...'})"))
+                elif attr == "accumulate" and self.framework_kind(owner) == "accelerate":
+                    self.accumulate_calls.append((call, owner))
                 elif attr == "set_requires_gradient_sync":
                     key = self.key_for(obj, class_name)
                     if key and not self.lookup(key):
@@ -422,7 +443,8 @@ class ModuleModel:
     def _infer_ddp(self, name: Optional[str], class_name, node) -> None:
         key = self.key_for(name, class_name)
         # ``model.module.no_sync()`` names the unwrapped module: SC104's business, not a wrapper.
-        if key and not self.lookup(key) and not key.endswith(".module") and key not in self.framework:
+        if key and not self.lookup(key) and not key.endswith(".module") and key not in self.framework \
+                and key not in self.originals:
             self._add_wrapped(key, "ddp", node, (), inferred=True)
 
     def _fact_assign(self, target, value, class_name, conds) -> None:
@@ -451,6 +473,7 @@ class ModuleModel:
                 self._add_wrapped(keys[0], "deepspeed", value, conds)
             if len(keys) > 1 and keys[1]:
                 self.optimizers[keys[1]] = value
+                self.managed_optimizers.add(keys[1])
             return
         if kind:
             options = {}
@@ -459,6 +482,9 @@ class ModuleModel:
                     options["static_graph"] = arg.value
             if len(keys) == 1:
                 self._add_wrapped(keys[0], kind, value, conds, options)
+                source = self.key_for(dotted(value.args[0].value), class_name) if value.args else None
+                if source and keys[0] and source != keys[0] and kind != "fsdp2":
+                    self.originals[source] = keys[0]
             if kind == "fsdp2" and value.args:
                 self._add_wrapped(self.key_for(dotted(value.args[0].value), class_name), kind, value, conds)
             return
@@ -486,19 +512,27 @@ class ModuleModel:
                 args = [a.value for a in value.args if a.keyword is None]
                 for i, k in enumerate(keys):
                     arg_key = self.key_for(dotted(args[i]), class_name) if i < len(args) else None
-                    if attr == "prepare_optimizer" or (arg_key and arg_key in self.optimizers):
+                    if attr == "prepare_optimizer" or (arg_key and arg_key in self.optimizers) or \
+                            (k and "optim" in last_part(k).lower()):
                         if k:
                             self.optimizers[k] = value
+                            self.managed_optimizers.add(k)
                         continue
                     self._add_wrapped(k, "accelerate", value, conds)
+                    if arg_key and k and arg_key != k:
+                        self.originals[arg_key] = k
                 return
             if fkind == "fabric" and attr in ("setup", "setup_module", "setup_optimizers"):
+                args = [a.value for a in value.args if a.keyword is None]
                 for i, k in enumerate(keys):
                     if attr == "setup_optimizers" or (attr == "setup" and i > 0):
                         if k:
                             self.optimizers[k] = value
                     else:
                         self._add_wrapped(k, "fabric", value, conds)
+                        arg_key = self.key_for(dotted(args[i]), class_name) if i < len(args) else None
+                        if arg_key and k and arg_key != k:
+                            self.originals[arg_key] = k
                 return
         if q.startswith("torch.optim.") or last_part(q).endswith(OPTIMIZER_SUFFIXES):
             if len(keys) == 1 and keys[0] and not last_part(q).endswith("LR") and "lr_scheduler" not in q:
@@ -577,7 +611,10 @@ class ModuleModel:
             out = self._expr_events(value, ctx)
             targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else [small.target]
             for target in targets:
-                if isinstance(target, cst.Name) and not isinstance(small, cst.AugAssign):
+                if isinstance(target, cst.Name) and isinstance(small, cst.AugAssign):
+                    # ``loss /= n``: remembered as ``loss = loss / n`` for rules that trace the loss
+                    out.append(Assign(target.value, cst.BinaryOperation(target, _binop(small.operator), value), line))
+                elif isinstance(target, cst.Name):
                     out.append(Assign(target.value, value, line))
                 elif isinstance(target, cst.Attribute) and target.attr.value == "require_backward_grad_sync":
                     key = self.resolve(target.value, ctx)
@@ -736,6 +773,21 @@ class _Ctx:
 
 # ---------------------------------------------------------------------------------------------------
 # small libcst helpers
+
+def _holds_loop(stmts) -> bool:
+    for stmt in stmts:
+        if isinstance(stmt, (cst.For, cst.While)):
+            return True
+        if isinstance(stmt, (cst.If, cst.With, cst.Try)) and _holds_loop(_block(stmt.body)):
+            return True
+    return False
+
+
+def _binop(aug) -> cst.BaseBinaryOp:
+    names = {"DivideAssign": cst.Divide, "MultiplyAssign": cst.Multiply, "FloorDivideAssign": cst.FloorDivide,
+             "AddAssign": cst.Add, "SubtractAssign": cst.Subtract}
+    return names.get(type(aug).__name__, cst.Add)()
+
 
 def _block(body) -> Sequence:
     if isinstance(body, cst.IndentedBlock):

@@ -120,6 +120,17 @@ class AccumulationLoop:
     step_first: bool = False       # the step runs at the top of the next iteration
     too_complex: bool = False
     atom_text: dict = field(default_factory=dict)
+    mod_forms: dict = field(default_factory=dict)
+
+    def first_micro_step_possible(self, path: "Path") -> bool:
+        """Can this path be the loop's very first micro-step (counter 0, not the last one)?"""
+        for atom, value in path.lits.items():
+            form = self.mod_forms.get(atom)
+            if form is not None and value != (form[2] == 0):   # (0 + c) % n == r  <=>  r - c == 0
+                return False
+            if atom.startswith("LAST(") and value:
+                return False
+        return True
 
     def micro_steps(self, boundary: bool) -> list:
         return [p for p in self.paths if p.backwards and p.is_boundary() == boundary]
@@ -744,7 +755,8 @@ def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, 
     gate = set(walker.gate_atoms) | {a for p in paths for a in p.lits if walker.related_to_gate(a)}
     acc = AccumulationLoop(micro, function, nested, paths, gate, controls, step_nodes,
                            step_first=any(p.steps_before_backward() for p in paths),
-                           too_complex=walker.exploded, atom_text=walker.atom_text)
+                           too_complex=walker.exploded, atom_text=walker.atom_text,
+                           mod_forms=walker.mod_forms)
     return acc
 
 

@@ -1,0 +1,84 @@
+from synccheck.analyzer.rules.base import Rule
+
+
+class NoSyncOnUnwrapped(Rule):
+    code = "SC104"
+    name = "no-sync-on-unwrapped"
+    severity = "error"
+    summary = "no_sync() is called on the original module, not on the DDP/FSDP wrapper"
+    requires = ("no_sync",)
+    anchors = ("no_sync",)
+    what = """
+        Finds `no_sync()` (and `accelerator.no_sync(...)`, `fabric.no_backward_sync(...)`) applied to
+        something that is not the data-parallel wrapper: `model.module.no_sync()`, or the module
+        that was passed to `DistributedDataParallel(...)` / `accelerator.prepare(...)` when the
+        wrapper was bound to another name.
+    """
+    why = """
+        Only the wrapper knows how to skip the all-reduce. A plain `nn.Module` has no `no_sync`:
+        `model.module.no_sync()` raises `AttributeError`, and `accelerator.no_sync(original)` quietly
+        falls back to a `nullcontext()`, so every micro-step keeps all-reducing while the code reads
+        as if it did not.
+    """
+    use_instead = "Call it on the object returned by the wrapper (`ddp_model.no_sync()`)."
+    INVALID = ("""
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        ddp_model, dataloader = accelerator.prepare(model, dataloader)
+        for index, batch in enumerate(dataloader):
+            if index != len(dataloader) - 1:
+                with accelerator.no_sync(model):  # SC104
+                    accelerator.backward(loss_func(ddp_model(batch)))
+            else:
+                accelerator.backward(loss_func(ddp_model(batch)))
+                optimizer.step()
+    """, """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        with model.module.no_sync():  # SC104
+            model(x).sum().backward()
+    """, """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(net)
+        with net.no_sync():  # SC104
+            ddp(x).sum().backward()
+    """)
+    VALID = ("""
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        ddp_model, dataloader = accelerator.prepare(model, dataloader)
+        for index, batch in enumerate(dataloader):
+            if index != len(dataloader) - 1:
+                with accelerator.no_sync(ddp_model):
+                    accelerator.backward(loss_func(ddp_model(batch)))
+            else:
+                accelerator.backward(loss_func(ddp_model(batch)))
+                optimizer.step()
+    """, """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        with model.no_sync():
+            model(x).sum().backward()
+    """)
+
+    def check(self, ctx):
+        m = ctx.model
+        for call, target, how in m.sync_calls:
+            if not target:
+                continue
+            if target.endswith(".module"):
+                ctx.report(self, call, f"`{how}` names the module inside the wrapper: a plain nn.Module has no "
+                                       f"no_sync(), so this raises AttributeError (or, through accelerate, "
+                                       f"silently does nothing and every micro-step still all-reduces)",
+                           f"call no_sync() on the wrapper itself (`{ctx.model_name(target[:-7])}`)")
+            elif target in m.originals and not m.lookup(target):
+                wrapper = ctx.model_name(m.originals[target])
+                ctx.report(self, call, f"`{how}` names the original module, not the wrapper `{wrapper}` built "
+                                       f"from it: nothing skips the all-reduce (accelerate falls back to a "
+                                       f"nullcontext; a plain module has no no_sync)",
+                           f"use `{wrapper}` here")

@@ -1,0 +1,85 @@
+from synccheck.analyzer.rules.base import Rule
+
+
+class AccumulateWithoutSteps(Rule):
+    code = "SC105"
+    name = "accumulate-without-steps"
+    severity = "warning"
+    summary = "accelerator.accumulate() is used but the Accelerator has no gradient_accumulation_steps"
+    requires = ("accumulate",)
+    words = ("Accelerator",)
+    anchors = ("accumulate", "Accelerator", "gradient_accumulation")
+    what = """
+        Finds `with accelerator.accumulate(model):` where the `Accelerator(...)` built in the same file
+        is never given `gradient_accumulation_steps` (directly, through a
+        `GradientAccumulationPlugin`, or by setting `accelerator.gradient_accumulation_steps` later).
+    """
+    why = """
+        Without the number of steps Accelerate defaults to 1: `accumulate()` then syncs and steps on
+        every micro-batch. The code looks like gradient accumulation but trains with the small batch
+        size, at full communication cost.
+    """
+    use_instead = "Pass `gradient_accumulation_steps=N` to `Accelerator(...)`."
+    references = ("https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation",)
+    INVALID = ("""
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for batch in loader:
+            with accelerator.accumulate(model):  # SC105
+                accelerator.backward(model(batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    """,)
+    VALID = ("""
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(gradient_accumulation_steps=4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from accelerate import Accelerator
+        from accelerate.utils import GradientAccumulationPlugin
+
+        plugin = GradientAccumulationPlugin(num_steps=4)
+        accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).loss)
+    """, """
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        accelerator.gradient_accumulation_steps = args.accum
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).loss)
+    """, """
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(**accelerator_kwargs)   # cannot tell: stays silent
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).loss)
+    """)
+
+    def check(self, ctx):
+        m = ctx.model
+        for call, owner in m.accumulate_calls:
+            obj = m.framework.get(owner) if owner else None
+            if obj is None or obj.kind != "accelerate":
+                continue      # built elsewhere: we cannot know how it was configured
+            if any(k in obj.kwargs for k in ("gradient_accumulation_steps", "gradient_accumulation_plugin")):
+                continue
+            if any(arg.star for arg in obj.node.args):
+                continue      # Accelerator(**kwargs)
+            if any(key == owner for key, _, _ in m.framework_setattrs):
+                continue
+            ctx.report(self, call, f"`{ctx.model_name(owner)}` was built without gradient_accumulation_steps, so "
+                                   f"accumulate() syncs and steps on every micro-batch: no accumulation happens",
+                       "pass gradient_accumulation_steps=N to Accelerator(...)")

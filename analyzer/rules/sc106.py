@@ -1,0 +1,84 @@
+from synccheck.analyzer.rules.base import Rule
+
+
+class StaticGraphNoSync(Rule):
+    code = "SC106"
+    name = "static-graph-no-sync"
+    severity = "error"
+    summary = "DDP(static_graph=True) with no_sync on the very first iteration fails an internal assert"
+    requires = ("static_graph", "backward")
+    loop_anchors = ("backward",)
+    what = """
+        Finds `DistributedDataParallel(..., static_graph=True)` models whose very first micro-step can
+        run with gradient sync off (`no_sync()`, or `require_backward_grad_sync = False`).
+    """
+    why = """
+        With `static_graph=True` DDP records the graph during the first iteration and needs that
+        iteration's backward to run its hooks. Skipping sync on iteration 0 trips
+        `INTERNAL ASSERT FAILED` in the reducer (pytorch#143580): the job crashes at the start, on
+        every rank, often only once the full-size configuration is launched.
+    """
+    use_instead = "Let the first micro-step sync (`sync = i == 0 or (i + 1) % n == 0`), or drop static_graph."
+    references = ("https://github.com/pytorch/pytorch/issues/143580",)
+    INVALID = ("""
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, static_graph=True)
+        for i, (x, y) in enumerate(loader):
+            sync = (i + 1) % 4 == 0
+            with nullcontext() if sync else model.no_sync():  # SC106
+                model(x).sum().backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    """,)
+    VALID = ("""
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, static_graph=True)
+        for i, (x, y) in enumerate(loader):
+            sync = i % 4 == 0
+            with nullcontext() if sync else model.no_sync():
+                model(x).sum().backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    """, """
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for i, (x, y) in enumerate(loader):
+            sync = (i + 1) % 4 == 0
+            with nullcontext() if sync else model.no_sync():
+                model(x).sum().backward()
+            if sync:
+                optimizer.step()
+                optimizer.zero_grad()
+    """)
+
+    def check(self, ctx):
+        static = {key for key, ws in ctx.model.wrapped.items()
+                  if any(w.kind == "ddp" and _truthy(w.options.get("static_graph")) for w in ws)}
+        if not static:
+            return
+        for acc in ctx.loops:
+            for path in acc.paths:
+                if not acc.first_micro_step_possible(path):
+                    continue
+                for b in acc.dp_backwards(path):
+                    fwd = b.forward
+                    if b.model in static and fwd is not None and fwd.state.value == "off" and fwd.state.node is not None:
+                        ctx.report(self, fwd.state.node,
+                                   f"`{ctx.model_name(b.model)}` has static_graph=True and this turns sync off on "
+                                   f"the very first micro-step: DDP's reducer fails an internal assert "
+                                   f"(pytorch#143580)", "let iteration 0 sync, or drop static_graph=True")
+
+
+def _truthy(node) -> bool:
+    if node is None:
+        return False
+    name = getattr(node, "value", None)
+    return name not in ("False", "None", "0")

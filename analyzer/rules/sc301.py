@@ -1,0 +1,110 @@
+import re
+
+from synccheck.analyzer.rules.base import Rule
+
+RANK_TEST = re.compile(r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process|is_local_main_process|"
+                       r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
+                       r"is_local_process_zero|main_process)(?!\w)")
+
+
+class CollectiveInRankBranch(Rule):
+    code = "SC301"
+    name = "collective-in-rank-branch"
+    severity = "error"
+    summary = "A collective runs only on some ranks: the others never join it and the job hangs"
+    words = ("barrier", "all_reduce", "all_gather", "broadcast", "reduce", "gather", "wait_for_everyone",
+             "scatter", "all_to_all")
+    anchors = words
+    what = """
+        Finds a collective (`dist.barrier()`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
+        `gather`, `accelerator.wait_for_everyone()`, ...) that runs only inside an `if rank == 0:`
+        / `if accelerator.is_main_process:` branch, directly or through a function of the same file.
+    """
+    why = """
+        A collective completes only when every rank of the group calls it. If only rank 0 does, it
+        waits forever; the other ranks go on to their next collective (often a gradient all-reduce)
+        and wait there. Nothing crashes: the job hangs until the NCCL/gloo timeout, typically 10 to
+        30 minutes later, with no pointer to the cause. `synccheck profile --hang-timeout` shows it.
+    """
+    use_instead = "Run the collective on every rank: move it after the rank-0 block."
+    INVALID = ("""
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            save_checkpoint(model)
+            dist.barrier()  # SC301
+    """, """
+        import torch.distributed as dist
+
+        def sync_metrics(t):
+            dist.all_reduce(t)
+            return t
+
+        if rank == 0:
+            sync_metrics(loss)  # SC301
+    """, """
+        from accelerate import Accelerator
+        accelerator = Accelerator()
+        if accelerator.is_main_process:
+            accelerator.save_model(model, "out")
+            accelerator.wait_for_everyone()  # SC301
+    """)
+    VALID = ("""
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            save_checkpoint(model)
+        dist.barrier()
+    """, """
+        import torch.distributed as dist
+
+        if rank == 0:
+            dist.broadcast(t, src=0)
+        else:
+            dist.broadcast(t, src=0)
+    """)
+
+    def check(self, ctx):
+        from synccheck.analyzer.model import Event, If, Inline, Loop, With
+
+        def collectives(nodes, via=None):
+            """(node to report, what) for every collective run by these IR nodes."""
+            out = []
+            for n in nodes:
+                if isinstance(n, Event) and n.kind == "collective":
+                    out.append((via or n.node, n.target, via is not None))
+                elif isinstance(n, If):
+                    out.extend(collectives(n.body, via) + collectives(n.orelse, via))
+                elif isinstance(n, (With, Loop)):
+                    out.extend(collectives(n.body, via))
+                elif isinstance(n, Inline):
+                    out.extend(collectives(n.body, via or n.call))
+            return out
+
+        def visit(nodes):
+            for n in nodes:
+                if isinstance(n, If):
+                    if RANK_TEST.search(ctx.model.code(n.test)):
+                        body, orelse = collectives(n.body), collectives(n.orelse)
+                        other = {what for _, what, _ in orelse}
+                        mine = {what for _, what, _ in body}
+                        for node, what, inlined in body:
+                            if what not in other:
+                                self._report(ctx, node, what, inlined, n)
+                        for node, what, inlined in orelse:
+                            if what not in mine:
+                                self._report(ctx, node, what, inlined, n)
+                    visit(n.body)
+                    visit(n.orelse)
+                elif isinstance(n, (With, Loop, Inline)):
+                    visit(n.body)
+
+        for function in ctx.model.functions:
+            visit(function.body)
+
+    def _report(self, ctx, node, what, inlined, branch):
+        test = ctx.model.code(branch.test).strip()
+        through = " (through this call)" if inlined else ""
+        ctx.report(self, node, f"`{what}` is a collective but runs only on the ranks where `{test}` holds"
+                               f"{through}: the other ranks never join it and the job hangs",
+                   "call it on every rank, after the rank-dependent block")
