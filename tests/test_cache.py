@@ -6,7 +6,7 @@ from synccheck.analyzer.engine import lint
 BAD = """from torch.nn.parallel import DistributedDataParallel as DDP
 model = DDP(model)
 for i, x in enumerate(loader):
-    model(x).sum().backward()
+    (model(x).sum() / 4).backward()
     if (i + 1) % 4 == 0:
         optimizer.step()
 """
@@ -25,7 +25,7 @@ def test_warm_run_parses_nothing_and_edits_are_seen(tmp_path):
     assert warm.parsed == 0 and warm.cached == 4
     assert [(f.path, f.line, f.code) for f in warm.findings] == [(f.path, f.line, f.code) for f in cold.findings]
     # an edit that fixes one file is seen (same size, so only the content tells)
-    fixed = BAD.replace("model(x).sum().backward()", "model(x).sum().backward()  # synccheck: ignore")
+    fixed = BAD.replace("(model(x).sum() / 4).backward()", "(model(x).sum() / 4).backward()  # synccheck: ignore")
     (src / "train1.py").write_text(fixed)
     os.utime(src / "train1.py", ns=(1, 1))
     after = lint([str(src)], cache_dir=cache)
