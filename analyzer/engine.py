@@ -51,10 +51,25 @@ class RuleContext:
         from synccheck.analyzer.paths import describe_lits
         return describe_lits(acc, lits)
 
+    def grads_rescaled(self, acc) -> bool:
+        """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``)."""
+        text = self.model.code(acc.function.node) if acc.function.name != "<module>" else self.model.source
+        return any(w in text for w in ("multiply_grads", ".grad.div_", ".grad.mul_", "scale_grads", "grad /=",
+                                       "grad *="))
+
+    def step_text(self, acc, backward) -> str:
+        """How the step that follows this backward is spelled (``scaler.step(opt)``)."""
+        for path in acc.paths:
+            for r in path.records[path.records.index(backward) + 1:] if backward in path.records else ():
+                if type(r).__name__ == "Step" and acc.steps_model(r, backward.model):
+                    return self.model.code(r.node).strip()
+        return "optimizer.step()"
+
     @staticmethod
     def model_name(key: Optional[str]) -> str:
         if not key:
             return "the model"
+        key = key.split(":", 1)[-1]          # local to a function: the name as written
         if key.startswith("@"):
             return "self." + key.split(".", 1)[1]
         return key
@@ -98,7 +113,7 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
                                               "fix the syntax error; nothing else in this file was checked")])
         return []
     from synccheck.analyzer.model import ModuleModel
-    ctx = RuleContext(ModuleModel(module, path), path)
+    ctx = RuleContext(ModuleModel(module, path, source=narrowed), path)
     for rule in active:
         rule().check(ctx)
     return _suppressed(text, _positioned(module, path, ctx.raw))

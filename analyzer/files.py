@@ -45,6 +45,6 @@ def discover(paths: Iterable[str], is_excluded=lambda path: False) -> list:
             for name in sorted(filenames):
                 if name.endswith(SOURCE_SUFFIXES):
                     path = os.path.join(dirpath, name)
-                    if not is_excluded(path) and os.path.exists(path):
+                    if not is_excluded(path):
                         add(path)
     return found

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
@@ -49,6 +50,8 @@ OPTIMIZER_SUFFIXES = (
     "AdamW8bit", "Adam8bit", "Lion", "ZeroRedundancyOptimizer",
 )
 GRADSCALER_NAMES = ("GradScaler",)
+# how optimizers are named when they come from elsewhere: optimizer, opt, optG, opt_d, solver, ...
+OPTIMIZER_NAME = re.compile(r"(?i)^(?:\w*optim\w*|opt(?!ion)[A-Za-z0-9_]{0,3}|solver\w*)$")
 NO_GRAD_CONTEXTS = {"torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
                     "torch.autograd.grad_mode.no_grad", "torch.autograd.inference_mode"}
 COLLECTIVES = {
@@ -79,7 +82,8 @@ def dotted(node: cst.CSTNode) -> Optional[str]:
 
 
 def last_part(name: Optional[str]) -> str:
-    return name.rsplit(".", 1)[-1] if name else ""
+    """``a.b.c`` -> ``c``; a function-local key ``train:opt`` -> ``opt``."""
+    return name.split(":", 1)[-1].rsplit(".", 1)[-1] if name else ""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,6 +160,7 @@ class With:
     body: list
     node: cst.With
     no_grad: bool = False
+    ctx: object = None             # the scope its names are resolved in (aliases of an inlined call)
 
 
 @dataclass
@@ -206,7 +211,7 @@ def has_event(nodes: Sequence, kind: str, into_loops: bool = True) -> bool:
 class ModuleModel:
     """Everything the rules need to know about one module."""
 
-    def __init__(self, module: cst.Module, path: str = "<string>") -> None:
+    def __init__(self, module: cst.Module, path: str = "<string>", source: Optional[str] = None) -> None:
         self.module = module
         self.path = path
         self.imports: dict[str, str] = {}
@@ -226,8 +231,13 @@ class ModuleModel:
         self.accumulate_calls: list[tuple[cst.Call, Optional[str]]] = []
         # optimizers whose zero_grad() is a no-op off the boundary (accelerate, DeepSpeed)
         self.managed_optimizers: set[str] = set()
+        # optimizer -> the model whose parameters it was built on (two models, two step schedules)
+        self.optimizer_model: dict[str, str] = {}
         # loops over epochs: ``for epoch in ...`` or a loop holding another loop
         self.epoch_loops: list[cst.CSTNode] = []
+        self.locals: dict[str, set] = {}      # function -> names it assigns (Python's local names)
+        self._fn: Optional[str] = None        # the function the facts pass is in
+        self._source: Optional[str] = source
         self._atom_cache: dict[int, str] = {}
         self._expr_cache: dict[str, Optional[ast.AST]] = {}
         self._collect_defs(module.body, None)
@@ -236,6 +246,12 @@ class ModuleModel:
         self.functions: list[Function] = self._build_functions()
 
     # -- source text -------------------------------------------------------------------------------
+    @property
+    def source(self) -> str:
+        if self._source is None:
+            self._source = self.module.code
+        return self._source
+
     def code(self, node: cst.CSTNode) -> str:
         return self.module.code_for_node(node)
 
@@ -301,6 +317,18 @@ class ModuleModel:
             return f"@{class_name}{name[4:]}"
         return name
 
+    def scoped(self, name: Optional[str], class_name: Optional[str], fn: Optional[str] = "") -> Optional[str]:
+        """The key of a name where it is used: ``self.x`` is the class's, a local is its function's
+        (``train:model``), anything else is the module's. ``fn=""``: the function the facts pass is in."""
+        if not name:
+            return name
+        if name == "self" or name.startswith("self."):
+            return self.key_for(name, class_name)
+        fn = self._fn if fn == "" else fn
+        if fn and name.split(".")[0] in self.locals.get(fn, ()):
+            return f"{fn}:{name}"
+        return name
+
     def lookup(self, key: Optional[str]) -> list[Wrapped]:
         return self.wrapped.get(key, []) if key else []
 
@@ -312,8 +340,8 @@ class ModuleModel:
         entries = self.lookup(key)
         if entries and all(w.kind in ("accelerate", "fabric") for w in entries) and "optim" in key.lower():
             return True
-        tail = last_part(key).lower()
-        return ("optim" in tail or tail in ("opt", "optimiser")) and "sched" not in tail
+        tail = last_part(key)
+        return bool(OPTIMIZER_NAME.match(tail)) and "sched" not in tail.lower()
 
     def is_scaler(self, key: Optional[str]) -> bool:
         return bool(key) and (key in self.scalers or "scaler" in last_part(key).lower())
@@ -338,6 +366,7 @@ class ModuleModel:
             if isinstance(stmt, cst.FunctionDef):
                 qual = f"{class_name}.{stmt.name.value}" if class_name else stmt.name.value
                 self.defs.setdefault(qual, (stmt, class_name))
+                self.locals.setdefault(qual, _assigned_names(stmt))
             elif isinstance(stmt, cst.ClassDef):
                 self.classes.setdefault(stmt.name.value, stmt)
                 if isinstance(stmt.body, cst.IndentedBlock):
@@ -375,7 +404,11 @@ class ModuleModel:
                 elif isinstance(orelse, cst.Else):
                     self._collect_facts(_block(orelse.body), class_name, neg)
             elif isinstance(stmt, cst.FunctionDef):
+                outer = self._fn
+                qual = f"{class_name}.{stmt.name.value}" if class_name else stmt.name.value
+                self._fn = qual if self.defs.get(qual, (None,))[0] is stmt else None
                 self._collect_facts(_block(stmt.body), class_name, ())
+                self._fn = outer
             elif isinstance(stmt, cst.ClassDef):
                 self._collect_facts(_block(stmt.body), stmt.name.value, ())
             elif isinstance(stmt, (cst.For, cst.While, cst.With, cst.Try)):
@@ -405,7 +438,7 @@ class ModuleModel:
                         "require_backward_grad_sync", "require_forward_param_sync"):
                     self._infer_ddp(dotted(target.value), class_name, small)
                 if isinstance(target, cst.Attribute) and target.attr.value == "gradient_accumulation_steps":
-                    obj = self.key_for(dotted(target.value), class_name)
+                    obj = self.scoped(dotted(target.value), class_name)
                     if obj:
                         self.framework_setattrs.append((obj, "gradient_accumulation_steps", small))
             self._fact_expr(small.value, class_name, conds)
@@ -421,27 +454,27 @@ class ModuleModel:
             func = dotted(call.func)
             q = self.qualify(func)
             if WRAPPER_CALLS.get(q) == "fsdp2" and call.args:
-                self._add_wrapped(self.key_for(dotted(call.args[0].value), class_name), "fsdp2", call, conds)
+                self._add_wrapped(self.scoped(dotted(call.args[0].value), class_name), "fsdp2", call, conds)
             if isinstance(call.func, cst.Attribute):
                 attr = call.func.attr.value
                 obj = dotted(call.func.value)
                 args = [a.value for a in call.args if a.keyword is None]
-                owner = self.key_for(obj, class_name)
+                owner = self.scoped(obj, class_name)
                 if attr == "no_sync" and not call.args:
                     self.sync_calls.append((call, owner, f"{obj}.no_sync()"))
                     self._infer_ddp(obj, class_name, call)
                 elif attr in ("no_sync", "no_backward_sync") and args and self.framework_kind(owner):
-                    target = self.key_for(dotted(args[0]), class_name)
+                    target = self.scoped(dotted(args[0]), class_name)
                     self.sync_calls.append((call, target, f"{obj}.{attr}({dotted(args[0]) or '...'})"))
                 elif attr == "accumulate" and self.framework_kind(owner) == "accelerate":
                     self.accumulate_calls.append((call, owner))
                 elif attr == "set_requires_gradient_sync":
-                    key = self.key_for(obj, class_name)
+                    key = self.scoped(obj, class_name)
                     if key and not self.lookup(key):
                         self._add_wrapped(key, "fsdp2", call, (), inferred=True)
 
     def _infer_ddp(self, name: Optional[str], class_name, node) -> None:
-        key = self.key_for(name, class_name)
+        key = self.scoped(name, class_name)
         # ``model.module.no_sync()`` names the unwrapped module: SC104's business, not a wrapper.
         if key and not self.lookup(key) and not key.endswith(".module") and key not in self.framework \
                 and key not in self.originals:
@@ -453,13 +486,19 @@ class ModuleModel:
             self._fact_assign(target, value.body, class_name, conds + ((value.test, True),))
             self._fact_assign(target, value.orelse, class_name, conds + ((value.test, False),))
             return
+        if isinstance(target, (cst.Tuple, cst.List)) and isinstance(value, (cst.Tuple, cst.List)) \
+                and len(target.elements) == len(value.elements):
+            # a, b = DDP(a), DDP(b)
+            for t, v in zip(target.elements, value.elements):
+                self._fact_assign(t.value, v.value, class_name, conds)
+            return
         names = _target_names(target)
-        keys = [self.key_for(n, class_name) if n else None for n in names]
+        keys = [self.scoped(n, class_name) if n else None for n in names]
         if isinstance(value, (cst.Name, cst.Attribute)):
-            # an alias of a wrapped model is the wrapped model
-            src = self.key_for(dotted(value), class_name)
-            if len(keys) == 1 and keys[0] and self.lookup(src):
-                for w in self.lookup(src):
+            # an alias of a wrapped model is the wrapped model (``model = model`` adds nothing)
+            src = self.scoped(dotted(value), class_name)
+            if len(keys) == 1 and keys[0] and keys[0] != src and self.lookup(src):
+                for w in list(self.lookup(src)):
                     self._add_wrapped(keys[0], w.kind, w.node, (), w.options, w.inferred)
                     self.wrapped[keys[0]][-1].conds = w.conds + self._cond_lits(conds)
             return
@@ -468,6 +507,14 @@ class ModuleModel:
         func = dotted(value.func)
         q = self.qualify(func)
         kind = WRAPPER_CALLS.get(q)
+        if kind is None and len(keys) == 1 and keys[0] and func in self.defs:
+            # model = build_model(args), where build_model returns a wrapper it made
+            fdef = self.defs[func][0]
+            for small in _small_statements(_block(fdef.body)):
+                if isinstance(small, cst.Return) and isinstance(small.value, (cst.Name, cst.Attribute)):
+                    for w in list(self.lookup(self.scoped(dotted(small.value), None, fn=func))):
+                        self._add_wrapped(keys[0], w.kind, w.node, (), w.options, w.inferred)
+            return
         if kind == "deepspeed":
             if keys and keys[0]:
                 self._add_wrapped(keys[0], "deepspeed", value, conds)
@@ -482,11 +529,11 @@ class ModuleModel:
                     options["static_graph"] = arg.value
             if len(keys) == 1:
                 self._add_wrapped(keys[0], kind, value, conds, options)
-                source = self.key_for(dotted(value.args[0].value), class_name) if value.args else None
+                source = self.scoped(dotted(value.args[0].value), class_name) if value.args else None
                 if source and keys[0] and source != keys[0] and kind != "fsdp2":
                     self.originals[source] = keys[0]
             if kind == "fsdp2" and value.args:
-                self._add_wrapped(self.key_for(dotted(value.args[0].value), class_name), kind, value, conds)
+                self._add_wrapped(self.scoped(dotted(value.args[0].value), class_name), kind, value, conds)
             return
         if q in ACCELERATOR_CLASSES or q in FABRIC_CLASSES:
             if len(keys) == 1 and keys[0]:
@@ -506,12 +553,12 @@ class ModuleModel:
             return
         if isinstance(value.func, cst.Attribute):
             attr = value.func.attr.value
-            owner = self.key_for(dotted(value.func.value), class_name)
+            owner = self.scoped(dotted(value.func.value), class_name)
             fkind = self.framework_kind(owner)
             if fkind == "accelerate" and attr in ("prepare", "prepare_model", "prepare_optimizer"):
                 args = [a.value for a in value.args if a.keyword is None]
                 for i, k in enumerate(keys):
-                    arg_key = self.key_for(dotted(args[i]), class_name) if i < len(args) else None
+                    arg_key = self.scoped(dotted(args[i]), class_name) if i < len(args) else None
                     if attr == "prepare_optimizer" or (arg_key and arg_key in self.optimizers) or \
                             (k and "optim" in last_part(k).lower()):
                         if k:
@@ -530,13 +577,21 @@ class ModuleModel:
                             self.optimizers[k] = value
                     else:
                         self._add_wrapped(k, "fabric", value, conds)
-                        arg_key = self.key_for(dotted(args[i]), class_name) if i < len(args) else None
+                        arg_key = self.scoped(dotted(args[i]), class_name) if i < len(args) else None
                         if arg_key and k and arg_key != k:
                             self.originals[arg_key] = k
                 return
         if q.startswith("torch.optim.") or last_part(q).endswith(OPTIMIZER_SUFFIXES):
             if len(keys) == 1 and keys[0] and not last_part(q).endswith("LR") and "lr_scheduler" not in q:
                 self.optimizers[keys[0]] = value
+                first = value.args[0].value if value.args else None
+                # SGD(model.parameters(), ...) / SGD(model.module.parameters()) / SGD([{"params": ...}])
+                if isinstance(first, cst.Call) and isinstance(first.func, cst.Attribute) and \
+                        first.func.attr.value in ("parameters", "named_parameters"):
+                    owner = self.scoped(dotted(first.func.value), class_name)
+                    if owner:
+                        owner = owner[:-7] if owner.endswith(".module") else owner
+                        self.optimizer_model[keys[0]] = self.originals.get(owner, owner)
 
     # -- IR ------------------------------------------------------------------------------------------
     def _build_functions(self) -> list[Function]:
@@ -589,7 +644,7 @@ class ModuleModel:
             for item in items:
                 if isinstance(item, cst.Call) and not self._is_control_call(item, ctx):
                     pre.extend(self._expr_events(item, ctx, skip_self=True))
-            return pre + [With(items, body, stmt, no_grad)]
+            return pre + [With(items, body, stmt, no_grad, ctx)]
         if isinstance(stmt, cst.Try):
             out = self._block(_block(stmt.body), ctx)
             if stmt.orelse is not None:
@@ -647,7 +702,7 @@ class ModuleModel:
             if base is None:
                 return None
             return f"{base}.{rest}" if rest else base
-        return self.key_for(name, ctx.class_name)
+        return self.scoped(name, ctx.class_name, fn=ctx.stack[-1] if ctx.stack else None)
 
     def _is_no_grad(self, item) -> bool:
         if isinstance(item, cst.Call):
@@ -714,6 +769,8 @@ class ModuleModel:
                     return [Event("step", call, target=self.resolve(call.args[0].value, ctx))]
                 if self.is_optimizer(obj_key):
                     return [Event("step", call, target=obj_key)]
+                if isinstance(func.value, cst.Subscript) and "optim" in self.code(func.value):
+                    return [Event("step", call, target=self.code(func.value).strip())]   # state["optimizer"]
                 return []
             if attr == "zero_grad":
                 return [Event("zero_grad", call, target=obj_key)]
@@ -723,6 +780,9 @@ class ModuleModel:
                 return [Event("collective", call, target=attr)]
             if attr in FRAMEWORK_COLLECTIVES and self.framework_kind(obj_key):
                 return [Event("collective", call, target=f"{last_part(obj_key)}.{attr}")]
+            if attr == "average_parameters":
+                # torch.distributed.algorithms.model_averaging: local SGD averages parameters by design
+                return [Event("collective", call, target="average_parameters")]
             if attr == "forward" and obj_key and self.lookup(obj_key):
                 return [Event("forward", call, model=obj_key)]
         q = self.qualify(dotted(func))
@@ -773,6 +833,46 @@ class _Ctx:
 
 # ---------------------------------------------------------------------------------------------------
 # small libcst helpers
+
+def _assigned_names(fdef: cst.FunctionDef) -> set:
+    """Names a function binds: parameters, assignment and loop targets, ``with ... as`` names."""
+    names = {p.name.value for p in list(fdef.params.params) + list(fdef.params.kwonly_params)
+             + list(fdef.params.posonly_params)}
+    for extra in (fdef.params.star_arg, fdef.params.star_kwarg):
+        if isinstance(extra, cst.Param):
+            names.add(extra.name.value)
+
+    def visit(stmts) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    targets = [t.target for t in small.targets] if isinstance(small, cst.Assign) else \
+                        [small.target] if isinstance(small, (cst.AnnAssign, cst.AugAssign)) else []
+                    for t in targets:
+                        names.update(n.split(".")[0] for n in _target_names(t) if n and "." not in n)
+            elif isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                names.add(stmt.name.value)
+            elif isinstance(stmt, cst.With):
+                for item in stmt.items:
+                    if item.asname is not None:
+                        names.update(n for n in _target_names(item.asname.name) if n and "." not in n)
+                visit(_block(stmt.body))
+            elif isinstance(stmt, cst.For):
+                names.update(n for n in _target_names(stmt.target) if n and "." not in n)
+                visit(_block(stmt.body))
+            elif isinstance(stmt, cst.If):
+                visit(_block(stmt.body))
+                for orelse in _orelse_blocks(stmt):
+                    visit(orelse)
+            elif isinstance(stmt, (cst.While, cst.Try)):
+                visit(_block(stmt.body))
+                if isinstance(stmt, cst.Try):
+                    for handler in stmt.handlers:
+                        visit(_block(handler.body))
+
+    visit(_block(fdef.body))
+    return names
+
 
 def _holds_loop(stmts) -> bool:
     for stmt in stmts:

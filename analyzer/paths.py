@@ -64,6 +64,8 @@ class Backward:
     flag_after_forward: Optional[cst.CSTNode] = None
     arg: Optional[cst.BaseExpression] = None
     env: dict = field(default_factory=dict)
+    manual_sync: bool = False      # gradients all-reduced by hand (or parameters averaged) after it
+    candidates: list = field(default_factory=list)   # (forward, state, kind) of every forward it may be for
 
 
 @dataclass
@@ -71,6 +73,17 @@ class Step:
     node: cst.CSTNode
     target: Optional[str]
     model: Optional[str] = None    # deepspeed engine.step()
+
+
+@dataclass
+class Collective:
+    node: cst.CSTNode
+    target: Optional[str]
+
+
+# collectives that synchronize gradients or parameters by hand (manual all-reduce, local SGD)
+GRAD_SYNC = {"all_reduce", "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_gather",
+             "all_gather_into_tensor", "reduce", "average_parameters", "broadcast"}
 
 
 @dataclass
@@ -110,6 +123,7 @@ class Path:
 @dataclass
 class AccumulationLoop:
     """One loop that accumulates gradients, with every micro-step path through it."""
+    model: ModuleModel
     loop: Loop                     # the micro-step loop
     function: Function
     nested: bool                   # micro-steps are an inner loop; the step follows it (nanoGPT)
@@ -132,8 +146,22 @@ class AccumulationLoop:
                 return False
         return True
 
+    def steps_model(self, step: "Step", key: Optional[str]) -> bool:
+        """Does this optimizer step update ``key``'s parameters? Unknown optimizers step everything."""
+        if step.model is not None:
+            return bare(step.model) == bare(key)
+        owner = self.model.optimizer_model.get(step.target or "")
+        if owner is None:
+            owner = next((v for k, v in self.model.optimizer_model.items() if bare(k) == bare(step.target)), None)
+        return owner is None or key is None or bare(owner) == bare(key)
+
+    def boundary_of(self, path: "Path", b: "Backward") -> bool:
+        """The optimizer of b's model steps after b, before the next micro-step."""
+        idx = next(i for i, r in enumerate(path.records) if r is b)
+        return any(isinstance(r, Step) and self.steps_model(r, b.model) for r in path.records[idx + 1:])
+
     def micro_steps(self, boundary: bool) -> list:
-        return [p for p in self.paths if p.backwards and p.is_boundary() == boundary]
+        return [p for p in self.paths if any(self.boundary_of(p, b) == boundary for b in p.backwards)]
 
     def groups(self, boundary: bool) -> list:
         """Micro-step paths of one kind, grouped by what they assume about the gate atoms."""
@@ -143,15 +171,18 @@ class AccumulationLoop:
             groups.setdefault(key, []).append(p)
         return list(groups.items())
 
-    def dp_backwards(self, path: "Path") -> list:
+    def dp_backwards(self, path: "Path", boundary: Optional[bool] = None) -> list:
         """The backward passes of a data-parallel model (not DeepSpeed: its engine handles this)."""
-        return [b for b in path.backwards if b.kind in DP_KINDS]
+        return [b for b in path.backwards if b.kind in DP_KINDS
+                and (boundary is None or self.boundary_of(path, b) == boundary)]
 
     def has_controls(self, key: Optional[str]) -> bool:
         return bool(self.controls.get(key)) or bool(self.controls.get(None))
 
     def unsynced(self, b: "Backward") -> bool:
         """This backward leaves its gradients un-reduced."""
+        if b.manual_sync:
+            return False
         if b.kind in FORWARD_DECIDES:
             return b.forward is not None and b.forward.state.value == "off"
         return b.state.value == "off"
@@ -170,8 +201,9 @@ class AccumulationLoop:
         for lits, paths in self.groups(boundary):
             hits = []
             for p in paths:
-                matching = [b for b in self.dp_backwards(p) if predicate(b)]
-                if not self.dp_backwards(p) or not matching:
+                mine = self.dp_backwards(p, boundary)
+                matching = [b for b in mine if predicate(b)]
+                if not mine or not matching:
                     hits = []
                     break
                 hits.extend(matching)
@@ -256,6 +288,8 @@ class Walker:
         self.last_bound: Optional[str] = None
         self._loop_bound(micro_loop)
         self.flagged_models = {n.model for n in walk_ir(micro_loop.body) if isinstance(n, Flag)}
+        self.guard_atoms: set = set()
+        self._scope = None
 
     def _loop_bound(self, loop: Loop) -> None:
         """``for t in range(n)`` / ``for t, _ in enumerate(x)``: what ``t == n - 1`` means."""
@@ -352,6 +386,8 @@ class Walker:
         if isinstance(expr, cst.Integer):
             return [(path, expr.value not in ("0",))]
         atom, polarity = self.literal(expr)
+        if atom in self.guard_atoms:
+            return [(path, polarity)]
         known = self.fixed(path, atom)
         if known is not None:
             return [(path, known == polarity)]
@@ -365,14 +401,32 @@ class Walker:
         return out
 
     def collect_gate_atoms(self, nodes) -> None:
-        """Atoms of the conditions that decide whether the optimizer steps."""
-        for n in walk_ir(nodes):
-            if isinstance(n, If):
-                body_step, else_step = has_event(n.body, "step"), has_event(n.orelse, "step")
-                exits = any(isinstance(x, Exit) and x.kind in ("continue", "break", "return")
-                            for x in walk_ir(n.body + n.orelse))
-                if body_step != else_step or exits:
-                    self._atoms_of(n.test, set(), nodes)
+        """Atoms of the conditions that decide whether the optimizer steps.
+
+        An ``if`` that decides the step *inside* another one that does (``if sync: if
+        torch.isfinite(norm): optimizer.step()``) is a guard that may skip a step, not the
+        accumulation schedule: its condition is assumed true.
+        """
+        def visit(block, inside_gate: bool) -> None:
+            for n in block:
+                if isinstance(n, If):
+                    body_step, else_step = has_event(n.body, "step"), has_event(n.orelse, "step")
+                    exits = any(isinstance(x, Exit) and x.kind in ("continue", "break", "return")
+                                for x in walk_ir(n.body + n.orelse))
+                    gate = body_step != else_step or exits
+                    if gate and inside_gate:
+                        before = set(self.gate_atoms)
+                        self._atoms_of(n.test, set(), nodes)
+                        self.guard_atoms |= self.gate_atoms - before
+                        self.gate_atoms = before
+                    elif gate:
+                        self._atoms_of(n.test, set(), nodes)
+                    visit(n.body, inside_gate or gate)
+                    visit(n.orelse, inside_gate or gate)
+                elif isinstance(n, (With, Inline, Loop)):
+                    visit(n.body, inside_gate)
+
+        visit(nodes, False)
         if self.last_atom:
             self.gate_atoms.add(self.last_atom)
 
@@ -403,40 +457,46 @@ class Walker:
                                         for g in self.gate_atoms)
 
     # -- sync controls ------------------------------------------------------------------------------
-    def controls_of(self, expr, path: Path, with_node, depth: int = 0) -> list:
-        """[(path, Control | None)] for one with-item expression."""
+    def controls_of(self, expr, path: Path, with_node, depth: int = 0, scope=None) -> list:
+        """[(path, Control | None)] for one with-item expression.
+
+        A context synccheck cannot see into (``ExitStack``, ``functools.partial``, a lambda, a function
+        defined elsewhere) is an *unknown* control when the file uses ``no_sync`` at all: the
+        micro-step then gets no verdict rather than a wrong one.
+        """
         if depth > 8:
             return [(path, None)]
         m = self.model
+        self._scope = scope
         if isinstance(expr, cst.Name):
             bound = path.env.get(expr.value)
-            if bound is not None:
-                return self.controls_of(bound, path, with_node, depth + 1)
-            return [(path, None)]
+            if bound is not None and not (isinstance(bound, cst.Name) and bound.value == "__unknown__"):
+                return self.controls_of(bound, path, with_node, depth + 1, scope)
+            return [(path, self._unknown(expr, with_node))]
         if isinstance(expr, cst.IfExp):
             out = []
             for p, v in self.cond(expr.test, path):
-                out.extend(self.controls_of(expr.body if v else expr.orelse, p, with_node, depth + 1))
+                out.extend(self.controls_of(expr.body if v else expr.orelse, p, with_node, depth + 1, scope))
             return out
         if isinstance(expr, cst.Attribute) and expr.attr.value == "no_sync":
             # the callable form: ``sync_ctx = model.no_sync if c else nullcontext``; ``with sync_ctx():``
-            key = self._key(expr.value)
+            key = self._key(expr.value, path)
             return [(path, Control(key, "off", with_node, f"{m.code(expr).strip()}()"))]
         if not isinstance(expr, cst.Call):
-            return [(path, None)]
+            return [(path, self._unknown(expr, with_node))]
         func = expr.func
         if isinstance(func, cst.Attribute):
             attr = func.attr.value
-            owner = self._key(func.value)
+            owner = self._key(func.value, path)
             args = [a for a in expr.args if a.keyword is None]
             if attr == "no_sync":
-                key = self._key(args[0].value) if args else owner
+                key = self._key(args[0].value, path) if args else owner
                 return [(path, Control(key, "off", with_node, m.code(expr).strip()))]
             if attr == "accumulate" and m.framework_kind(owner) == "accelerate":
-                key = self._key(args[0].value) if args else None
+                key = self._key(args[0].value, path) if args else None
                 return [(path, Control(key, "managed", with_node, m.code(expr).strip()))]
             if attr == "no_backward_sync":
-                key = self._key(args[0].value) if args else None
+                key = self._key(args[0].value, path) if args else None
                 enabled = next((a.value for a in expr.args if a.keyword is not None
                                 and a.keyword.value == "enabled"), args[1].value if len(args) > 1 else None)
                 control = Control(key, "off", with_node, m.code(expr).strip())
@@ -448,15 +508,39 @@ class Walker:
             # ``ctx()`` where ctx holds a callable control
             target = path.env.get(func.value) if isinstance(func, cst.Name) else func
             if target is not None and not isinstance(target, cst.Call):
-                return self.controls_of(target, path, with_node, depth + 1)
+                return self.controls_of(target, path, with_node, depth + 1, scope)
         helper = self._helper(expr)
         if helper is not None:
             return self._helper_controls(helper, expr, path, with_node, depth)
-        return [(path, None)]
+        return [(path, self._unknown(expr, with_node))]
 
-    def _key(self, expr) -> Optional[str]:
+    def _unknown(self, expr, with_node) -> Optional[Control]:
+        """A context we cannot resolve: harmless ones are named; others may hide a no_sync."""
+        func = expr.func if isinstance(expr, cst.Call) else expr
+        q = self.model.qualify(dotted(func)) if dotted(func) else ""
+        harmless = ("torch.", "contextlib.nullcontext", "nullcontext", "open", "tqdm", "warnings.",
+                    "accelerate.", "autocast", "record_function", "profile", "Timer", "timer")
+        if any(q.startswith(h) or q.endswith(h) for h in harmless) or "no_sync" not in self.model.source:
+            return None
+        if isinstance(func, cst.Attribute) and func.attr.value in ("autocast", "no_grad", "profile", "timer",
+                                                                    "record_function", "inference_mode"):
+            return None
+        return Control(None, "unknown", with_node, self.model.code(expr).strip())
+
+    def _key(self, expr, path: Optional[Path] = None) -> Optional[str]:
+        """The key a control's model expression names, in the scope of the ``with`` it stands in."""
         name = dotted(expr)
-        return self.model.key_for(name, self.function.class_name) if name else None
+        if not name:
+            return None
+        head = name.split(".")[0]
+        bound = path.env.get(head) if path is not None else None
+        if isinstance(bound, (cst.Name, cst.Attribute)) and dotted(bound) != head and self._scope is None:
+            # a parameter of a helper: the caller's name for it
+            outer = dotted(bound)
+            return self._key(cst.parse_expression(outer + name[len(head):]), None) if outer else None
+        if self._scope is not None:
+            return self.model.resolve(expr, self._scope)
+        return self.model.key_for(name, self.function.class_name)
 
     def _helper(self, call: cst.Call):
         name = dotted(call.func)
@@ -512,14 +596,14 @@ class Walker:
                 return w.kind
         return None
 
-    def sync_state(self, key: str, path: Path, before_forward: bool = False) -> SyncState:
-        for control in reversed(path.controls):
-            if control.model is None or control.model == key:
-                if control.effect == "managed":
-                    return SyncState("managed", control.node, control.how)
-        for control in reversed(path.controls):
-            if control.model is None or control.model == key:
-                return SyncState("off", control.node, control.how)
+    def sync_state(self, key: str, path: Path) -> SyncState:
+        # A control names its model as written where it stands (a helper's parameter, say); forwards
+        # are resolved to where the model was made. Their bare names are what can be compared.
+        mine = [c for c in path.controls if c.model is None or bare(c.model) == bare(key)]
+        for effect in ("managed", "unknown", "off"):
+            for control in reversed(mine):
+                if control.effect == effect:
+                    return SyncState(effect if effect != "off" else "off", control.node, control.how)
         flag = path.flags.get(key)
         if flag is not None:
             return flag
@@ -561,7 +645,7 @@ class Walker:
             for item in node.items:
                 nxt = []
                 for p in paths:
-                    for p2, control in self.controls_of(item, p, node.node):
+                    for p2, control in self.controls_of(item, p, node.node, scope=node.ctx):
                         if control is not None:
                             p2.controls = p2.controls + (control,)
                         nxt.append(p2)
@@ -639,19 +723,32 @@ class Walker:
         if ev.kind == "backward":
             forward = None
             flag_after = None
+            pending = []          # forwards since the previous backward: this backward runs through them
             for r in reversed(path.records):
-                if isinstance(r, Flag) and forward is None:
+                if isinstance(r, Backward):
+                    break
+                if isinstance(r, Flag) and not pending:
                     flag_after = r
                 if isinstance(r, Forward) and (ev.model is None or r.model == ev.model):
-                    forward = r
-                    break
+                    pending.append(r)
+            if pending:
+                forward = pending[0]
+            else:
+                for r in reversed(path.records):
+                    if isinstance(r, Forward) and (ev.model is None or r.model == ev.model):
+                        forward = r
+                        break
             key = ev.model or (forward.model if forward else self._only_model(path))
             kind = self.kind_of(key, path) if key else None
             if flag_after is not None and (forward is None or flag_after.model != forward.model):
                 flag_after = None
             state = self.sync_state(key, path) if key else SyncState("on")
-            path.records.append(Backward(key, kind, forward, state, ev.node, ev.via,
-                                         flag_after.node if flag_after else None, ev.arg, dict(path.env)))
+            record = Backward(key, kind, forward, state, ev.node, ev.via,
+                              flag_after.node if flag_after else None, ev.arg, dict(path.env))
+            # a GAN's generator loss runs through D's forward too: which model the backward is for is
+            # settled once the path is complete (the one whose optimizer steps after it)
+            record.candidates = [(f, self.sync_state(f.model, path), self.kind_of(f.model, path)) for f in pending]
+            path.records.append(record)
             return path
         if ev.kind == "step":
             path.records.append(Step(ev.node, ev.target, ev.model))
@@ -659,12 +756,20 @@ class Walker:
         if ev.kind == "zero_grad":
             path.records.append(ZeroGrad(ev.node, ev.target))
             return path
+        if ev.kind == "collective":
+            path.records.append(Collective(ev.node, ev.target))
         return path
 
     def _only_model(self, path: Path) -> Optional[str]:
         """A backward with no forward in sight: the file's one data-parallel model, if it has one."""
-        keys = {k for k, ws in self.model.wrapped.items() if any(not w.inferred for w in ws)}
+        keys = {k for k, ws in self.model.wrapped.items() if any(not w.inferred for w in ws)
+                and (":" not in k or k.startswith(self.function.name + ":"))}
         return next(iter(keys)) if len(keys) == 1 else None
+
+
+def bare(key: Optional[str]) -> Optional[str]:
+    """``train:model`` -> ``model``: a key without the function it is local to."""
+    return key.split(":", 1)[-1] if key else key
 
 
 def _reopen(path: Path) -> Path:
@@ -680,10 +785,10 @@ def accumulation_loops(model: ModuleModel) -> list:
     found = []
     seen_loops: set = set()
     for function in model.functions:
-        for micro, container, nested in _micro_loops(function.body, None):
+        for micro, container, nested, conds in _micro_loops(function.body, None):
             if id(micro.node) in seen_loops and function.name != "<module>":
                 continue
-            acc = _walk(model, function, micro, container, nested)
+            acc = _walk(model, function, micro, container, nested, conds)
             if acc is not None:
                 seen_loops.add(id(micro.node))
                 found.append(acc)
@@ -704,28 +809,28 @@ def _direct_backward(nodes) -> bool:
     return has_event(nodes, "backward", into_loops=False)
 
 
-def _micro_loops(nodes, enclosing: Optional[tuple]):
-    """(micro-step loop, the nodes to execute, nested?) for every accumulation candidate."""
+def _micro_loops(nodes, enclosing: Optional[tuple], conds: tuple = ()):
+    """(micro-step loop, the nodes to execute, nested?, enclosing if-conditions) for every candidate."""
     for i, node in enumerate(nodes):
         if isinstance(node, Loop):
             if _direct_backward(node.body):
                 if has_event(node.body, "step"):
-                    yield node, [node], False
+                    yield node, [node], False, conds
                 elif any(has_event([n], "step", into_loops=False) for n in nodes[i + 1:]):
                     # the step follows the loop: in the enclosing loop's body or after it
-                    yield node, list(nodes[i:]), True
+                    yield node, list(nodes[i:]), True, conds
                 elif enclosing is not None:
-                    yield node, [node], False
+                    yield node, [node], False, conds
             else:
-                yield from _micro_loops(node.body, (node,))
+                yield from _micro_loops(node.body, (node,), conds)
         elif isinstance(node, If):
-            yield from _micro_loops(node.body, enclosing)
-            yield from _micro_loops(node.orelse, enclosing)
+            yield from _micro_loops(node.body, enclosing, conds + ((node.test, True),))
+            yield from _micro_loops(node.orelse, enclosing, conds + ((node.test, False),))
         elif isinstance(node, (With, Inline)):
-            yield from _micro_loops(node.body, enclosing)
+            yield from _micro_loops(node.body, enclosing, conds)
 
 
-def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, nested: bool):
+def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, nested: bool, conds=()):
     walker = Walker(model, function, micro)
     scope = micro.body + container[1:] if nested else micro.body
     walker.collect_gate_atoms(scope)
@@ -733,10 +838,10 @@ def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, 
     for n in walk_ir(function.body, into_loops=False):
         if isinstance(n, Assign):
             start.env[n.name] = n.value
-    if nested:
-        paths = walker.run(container, [start])
-    else:
-        paths = walker.run(micro.body, [start])
+    starts = [start]
+    for test, polarity in conds:     # the loop runs only where its enclosing ifs hold
+        starts = [p for s in starts for p, v in walker.cond(test, s) if v == polarity]
+    paths = walker.run(container if nested else micro.body, starts)
     paths = [p for p in paths if p.ended != "raise"]
     controls: dict = {}
     for p in paths:
@@ -753,10 +858,27 @@ def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, 
     step_nodes = [n.node for n in walk_ir(scope) if isinstance(n, Event) and n.kind == "step"]
     # conditions of the form (i + c) % n == 0 over the step's own i and n are as good as the gate
     gate = set(walker.gate_atoms) | {a for p in paths for a in p.lits if walker.related_to_gate(a)}
-    acc = AccumulationLoop(micro, function, nested, paths, gate, controls, step_nodes,
+    # gradients all-reduced by hand (or parameters averaged) somewhere in the loop: intended, not SC103
+    manual = any(isinstance(n, Event) and n.kind == "collective" and n.target in GRAD_SYNC for n in walk_ir(scope))
+    for p in paths:
+        for i, r in enumerate(p.records):
+            if isinstance(r, Backward):
+                r.manual_sync = manual
+    acc = AccumulationLoop(model, micro, function, nested, paths, gate, controls, step_nodes,
                            step_first=any(p.steps_before_backward() for p in paths),
                            too_complex=walker.exploded, atom_text=walker.atom_text,
                            mod_forms=walker.mod_forms)
+    for p in paths:
+        for r in p.records:
+            if isinstance(r, Backward) and len(r.candidates) > 1 and not acc.boundary_of(p, r):
+                for forward, state, kind in r.candidates:
+                    probe = Backward(forward.model, kind, forward, state, r.node, r.via)
+                    p.records[p.records.index(r)] = probe
+                    stepped = acc.boundary_of(p, probe)
+                    p.records[p.records.index(probe)] = r
+                    if stepped:
+                        r.model, r.kind, r.forward, r.state = forward.model, kind, forward, state
+                        break
     return acc
 
 

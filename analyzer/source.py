@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import os
 import tokenize
 from typing import Optional, Tuple
 
@@ -13,6 +14,8 @@ def read_source(path: str) -> Tuple[Optional[str], Optional[FileError]]:
         with open(path, "rb") as fh:
             data = fh.read()
     except OSError as exc:
+        if os.path.islink(path) and not os.path.exists(path):
+            return None, FileError(path, f"broken symbolic link (to {os.readlink(path)})")
         return None, FileError(path, f"cannot read: {exc.strerror or exc}")
     return decode_source(path, data)
 

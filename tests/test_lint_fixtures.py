@@ -10,9 +10,13 @@ import pytest
 from synccheck.analyzer.engine import check_source
 from synccheck.analyzer.rules import Rule
 
-FIXTURES = sorted((Path(__file__).parent / "fixtures" / "lint").glob("*.py"))
+# lint/: one pattern a file; realistic/: whole scripts modelled on nanoGPT, the accelerate and
+# transformers examples, the PyTorch DDP tutorial, torchtitan, fairseq, DCGAN, ...
+FIXTURES = sorted((Path(__file__).parent / "fixtures" / "lint").glob("*.py")) + \
+    sorted((Path(__file__).parent / "fixtures" / "realistic").glob("*.py"))
 
 
+@pytest.mark.timeout(20)
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_fixture(path):
     source = path.read_text()

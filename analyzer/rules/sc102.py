@@ -95,7 +95,7 @@ class NoSyncMissesForward(Rule):
             if acc.too_complex:
                 continue
             for path in acc.micro_steps(boundary=False):
-                for b in acc.dp_backwards(path):
+                for b in acc.dp_backwards(path, boundary=False):
                     if b.kind not in ("ddp", "accelerate", "fabric") or b.forward is None:
                         continue
                     if b.forward.state.value == "on" and b.state.value == "off":
@@ -108,6 +108,8 @@ class NoSyncMissesForward(Rule):
                     elif b.flag_after_forward is not None:
                         ctx.report(self, b.flag_after_forward,
                                    "`require_backward_grad_sync` is set after the forward: DDP read the flag "
-                                   "when the forward ran, so this write only affects the next micro-step "
-                                   "and the boundary is off by one",
+                                   "when the forward ran, so this write only takes effect at the next "
+                                   "micro-step. The boundary backward runs with the value the previous "
+                                   "micro-step left (no sync): its gradients are never all-reduced and the "
+                                   "ranks diverge, while the micro-step after it syncs for nothing",
                                    "set the flag before calling the model")

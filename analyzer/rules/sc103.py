@@ -132,12 +132,14 @@ class UnsyncedStep(Rule):
                         continue
                     state = b.forward.state if (b.forward is not None and b.kind in
                                                 ("ddp", "accelerate", "fabric")) else b.state
-                    every = not any(acc.wasteful(x) for p in acc.micro_steps(False) for x in acc.dp_backwards(p))
+                    every = not any(acc.wasteful(x) for p in acc.micro_steps(False)
+                                    for x in acc.dp_backwards(p, boundary=False))
                     when = ctx.describe(acc, lits)
-                    if every and not when:
-                        detail = "sync is off on every micro-step, the one before `optimizer.step()` included"
+                    step = ctx.step_text(acc, b)
+                    if every:
+                        detail = f"sync is off on every micro-step, the one before `{step}` included"
                     else:
-                        detail = (f"sync is off on the micro-step before `optimizer.step()`"
+                        detail = (f"sync is off on the micro-step before `{step}`"
                                   f"{' (when ' + when + ')' if when else ''}: the sync condition does not "
                                   f"match the step's condition")
                     node = state.node if state.node is not None else b.node

@@ -66,8 +66,10 @@ class ZeroGradEveryMicrostep(Rule):
                 if any(b.state.value == "managed" for b in path.backwards):
                     per_path = []
                     break
+                accumulating_models = {b.model for b in path.backwards if not acc.boundary_of(path, b)}
                 zeros = [r for r in path.records if isinstance(r, ZeroGrad) and r.target not in managed
-                         and not any(w.kind in ("accelerate", "deepspeed") for w in ctx.model.lookup(r.target))]
+                         and not any(w.kind in ("accelerate", "deepspeed") for w in ctx.model.lookup(r.target))
+                         and _clears(ctx.model, r.target, accumulating_models)]
                 if not zeros:
                     per_path = []
                     break
@@ -78,3 +80,16 @@ class ZeroGradEveryMicrostep(Rule):
                                              f"accumulation loop: it wipes the gradients accumulated so far, so the "
                                              f"optimizer only ever sees the last micro-batch",
                                "move zero_grad() next to optimizer.step(), inside the boundary branch")
+
+
+def _clears(model, target, models) -> bool:
+    """Does ``target.zero_grad()`` clear the gradients of one of these models?"""
+    from synccheck.analyzer.paths import bare
+
+    if not target or None in models:
+        return True
+    owner = model.optimizer_model.get(target) or next(
+        (v for k, v in model.optimizer_model.items() if bare(k) == bare(target)), None)
+    if owner is None and model.lookup(target):
+        owner = target                      # model.zero_grad()
+    return owner is None or any(bare(owner) == bare(m) for m in models)

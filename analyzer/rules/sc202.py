@@ -73,8 +73,8 @@ class UnscaledAccumulatedLoss(Rule):
         for acc in ctx.loops:
             if not acc.is_accumulating or acc.too_complex:
                 continue
-            backwards = [b for p in acc.micro_steps(False) for b in p.backwards]
-            if not backwards or any(b.state.value == "managed" for b in backwards):
+            backwards = [b for p in acc.micro_steps(False) for b in p.backwards if not acc.boundary_of(p, b)]
+            if not backwards or any(b.state.value == "managed" for b in backwards) or ctx.grads_rescaled(acc):
                 continue
             reported = set()
             for b in backwards:

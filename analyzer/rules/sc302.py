@@ -51,7 +51,7 @@ class SamplerWithoutSetEpoch(Rule):
         import libcst as cst
 
         m = ctx.model
-        if not m.samplers or not m.epoch_loops or "set_epoch" in m.module.code:
+        if not m.samplers or not m.epoch_loops or "set_epoch" in m.source:
             return
         for key, call in m.samplers.items():
             shuffle = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "shuffle"), None)

@@ -1,0 +1,87 @@
+"""Shared set-up for the example training scripts: arguments, process group, model, data, report.
+
+Each example (baseline.py, no_sync.py, ...) keeps only its training loop, so the loops can be read and
+compared side by side. Run one with torchrun, on CPU:
+
+    torchrun --standalone --nproc_per_node=2 examples/no_sync.py --steps 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
+    parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--width", type=int, default=1024, help="hidden width: 2 layers of width^2 weights")
+    parser.add_argument("--batch", type=int, default=2, help="rows per micro-batch")
+    parser.add_argument("--every", type=int, default=4, help="local SGD: average parameters every K steps")
+    return parser.parse_args()
+
+
+def setup() -> tuple:
+    """Join the process group torchrun describes (gloo: this runs on CPU)."""
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)                     # the same initial weights on every rank
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_model(args) -> nn.Module:
+    # Wide and shallow: many bytes to all-reduce, little compute. On 2 CPU ranks that is the regime
+    # of seed 001's PCIe machines, where communication costs as much as the training itself.
+    return nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
+                         nn.Linear(args.width, 1))
+
+
+def micro_batches(args, rank: int) -> list:
+    """Each rank's micro-batches for the whole run (a regression task; different data per rank)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    true_w = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+    out = []
+    for _ in range(args.steps * args.accum):
+        x = torch.randn(args.batch, 64, generator=gen)
+        out.append((x, x @ true_w))
+    return out
+
+
+class Clock:
+    """Seconds per optimizer step, the first steps excluded (DDP rebuilds its buckets after step 1)."""
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup, self.steps, self.start = warmup, 0, None
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps == self.warmup:
+            self.start = time.perf_counter()
+
+    def seconds_per_step(self) -> float:
+        counted = self.steps - self.warmup
+        return (time.perf_counter() - self.start) / counted if self.start and counted > 0 else float("nan")
+
+
+def finish(model: nn.Module, clock: Clock, loss: torch.Tensor) -> None:
+    """Print one JSON line from rank 0, check the replicas agree, and leave cleanly."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    checksum = torch.tensor([flat.double().sum().item()])
+    sums = [torch.zeros(1, dtype=checksum.dtype) for _ in range(dist.get_world_size())]
+    dist.all_gather(sums, checksum)
+    if dist.get_rank() == 0:
+        print("EXAMPLE_RESULT " + json.dumps({
+            "seconds_per_optimizer_step": clock.seconds_per_step(),
+            "optimizer_steps": clock.steps,
+            "final_loss": float(loss.detach()),
+            "ranks_agree": max(s.item() for s in sums) - min(s.item() for s in sums) < 1e-6,
+        }), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    # torch 2.13's gloo can abort during interpreter teardown; everything is printed by now
+    os._exit(0)
