@@ -100,7 +100,8 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
 
     anchors = tuple(sorted({w for r in active for w in r.anchors}))
     loop_anchors = tuple(sorted({w for r in active for w in r.loop_anchors}))
-    narrowed, tree, error = narrow(text, anchors, loop_anchors)
+    branch_anchors = tuple(sorted({pair for r in active for pair in r.branch_anchors}))
+    narrowed, tree, error = narrow(text, anchors, loop_anchors, branch_anchors)
     module = None
     if narrowed is not None:
         module, error = parse(narrowed)

@@ -11,7 +11,7 @@ SKIP_DIRS = {
     ".vscode", "__pypackages__", "_build", "buck-out", "dist", "node_modules", "site-packages", "venv",
     "__pycache__", ".synccheck_cache", ".ci-venv",
 }
-SOURCE_SUFFIXES = (".py", ".pyi", ".ipynb")
+SOURCE_SUFFIXES = (".py", ".ipynb")     # not .pyi: stubs hold no training loops
 
 
 class UsageError(Exception):

@@ -22,19 +22,25 @@ from typing import Optional, Tuple
 
 CALL = re.compile(r"(?<![\w.])(?:self\.|cls\.)?(\w+)\s*\(")
 
-# Where wrapped models, accelerators and samplers are made: facts every rule may need.
-FACT_WORDS = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "prepare", "setup",
-              "deepspeed", "Accelerator", "Fabric", "DistributedSampler", "no_sync",
-              "require_backward_grad_sync", "set_requires_gradient_sync", "gradient_accumulation_steps")
-SELF_FACT = re.compile(r"self\.\w+\s*(?::[^=]*)?=[^=].*(?:" + "|".join(FACT_WORDS) + ")")
+# Where wrapped models, accelerators and samplers are made: facts every rule may need. Call forms,
+# so that a 20k-line table that merely mentions "setup" is not kept.
+FACT_WORDS = ("DistributedDataParallel(", "FullyShardedDataParallel(", "fully_shard(", ".prepare(", "prepare_model(",
+              ".setup(", "setup_module(", "deepspeed.initialize(", "Accelerator(", "Fabric(", "DistributedSampler(",
+              "no_sync", "require_backward_grad_sync", "set_requires_gradient_sync", "gradient_accumulation_steps")
+# names whose import aliases are fact words too: ``DistributedDataParallel as DDP`` makes "DDP(" one
+ALIASED = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "Accelerator", "Fabric",
+           "DistributedSampler")
+
 SHORT = 3   # module-level statements up to this many lines are kept: a script's assignments are its state
 
 
-def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
+def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anchors: tuple = ()):
     """(narrowed text, ast tree, None) or (None, None, (line, column, message)) for a syntax error.
 
     ``loop_anchors``: words that matter only inside a loop (``backward``: an accumulation loop), or in
-    a function such a loop calls. ``anchors``: words that matter anywhere (a collective).
+    a function such a loop calls. ``anchors``: words that matter anywhere. ``branch_anchors``: pairs
+    of regexes (test, body): an ``if`` whose test matches the first and whose branches match the
+    second, or call a function that does (a collective under ``if rank == 0:``).
     """
     try:
         tree = ast.parse(text)
@@ -49,6 +55,9 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
     def segment(node) -> str:
         return "".join(lines[_first_line(node) - 1:node.end_lineno])
 
+    facts = FACT_WORDS + tuple(f"{alias.asname}(" for node in tree.body if isinstance(node, ast.ImportFrom)
+                               for alias in node.names if alias.asname and alias.name in ALIASED)
+    self_fact = re.compile(r"self\.\w+\s*(?::[^=]*)?=[^=].*(?:" + "|".join(re.escape(f) for f in facts) + ")")
     all_defs = list(_defs(tree.body))
     texts = {id(d): segment(d) for d in all_defs}
     calls = {id(d): set(CALL.findall(texts[id(d)])) for d in all_defs}
@@ -69,6 +78,26 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
              if any(w in texts[id(d)] for w in anchors)
              or (loop_anchors and any(w in texts[id(d)] for w in ("for ", "while "))
                  and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d.body)))}
+    for test_pattern, body_pattern in branch_anchors:
+        test_re, body_re = re.compile(test_pattern), re.compile(body_pattern)
+        runs = {d.name for d in all_defs if body_re.search(texts[id(d)])}
+        grown = True
+        while grown:
+            grown = False
+            for d in all_defs:
+                if d.name not in runs and calls[id(d)] & runs:
+                    runs.add(d.name)
+                    grown = True
+        for d in all_defs:
+            if id(d) in seeds or not test_re.search(texts[id(d)]):
+                continue
+            for branch in _ifs(d.body):
+                test = "".join(lines[branch.test.lineno - 1:branch.test.end_lineno])
+                if test_re.search(test):
+                    inner = "".join(lines[branch.lineno - 1:branch.end_lineno])
+                    if body_re.search(inner) or set(CALL.findall(inner)) & runs:
+                        seeds.add(id(d))
+                        break
     keep = set(seeds)
     # callers of the seeds: where the model they train was wrapped
     grown = True
@@ -88,8 +117,8 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = ()):
                     keep.add(id(x))
                     todo.append(x)
     # methods that bind a wrapper to ``self.x``: every method of the class sees it
-    keep |= {id(d) for d in all_defs if SELF_FACT.search(texts[id(d)])}
-    words = tuple(anchors) + tuple(loop_anchors) + FACT_WORDS
+    keep |= {id(d) for d in all_defs if self_fact.search(texts[id(d)])}
+    words = tuple(anchors) + tuple(loop_anchors) + facts
     out = list(lines)
 
     def blank(first: int, last: int, col: int) -> None:
@@ -147,6 +176,16 @@ def _loops(body):
             yield from _loops(getattr(node, name, ()) or ())
         for handler in getattr(node, "handlers", ()) or ():
             yield from _loops(handler.body)
+
+
+def _ifs(body):
+    for node in body:
+        if isinstance(node, ast.If):
+            yield node
+        for name in ("body", "orelse", "finalbody"):
+            yield from _ifs(getattr(node, name, ()) or ())
+        for handler in getattr(node, "handlers", ()) or ():
+            yield from _ifs(handler.body)
 
 
 def _loop_reaches(loop, lines, words, reaches) -> bool:

@@ -45,6 +45,7 @@ class Rule:
     # once is of no interest to it.
     anchors: ClassVar[tuple] = ()
     loop_anchors: ClassVar[tuple] = ()
+    branch_anchors: ClassVar[tuple] = ()       # ((test regex, branch regex), ...): see narrow.py
 
     @classmethod
     def documentation(cls) -> str:

@@ -2,9 +2,17 @@ import re
 
 from synccheck.analyzer.rules.base import Rule
 
-RANK_TEST = re.compile(r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process|is_local_main_process|"
-                       r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
-                       r"is_local_process_zero|main_process)(?!\w)")
+RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process|is_local_main_process|"
+                  r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
+                  r"is_local_process_zero|main_process)(?!\w)")
+RANK_TEST = re.compile(RANK_TEST_TEXT)
+
+
+FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
+COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric)\.(barrier|monitored_barrier|all_reduce|"
+                   r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|scatter\w*|reduce_scatter\w*|"
+                   r"all_to_all\w*|wait_for_everyone)\(")
+COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT)
 
 
 class CollectiveInRankBranch(Rule):
@@ -12,9 +20,14 @@ class CollectiveInRankBranch(Rule):
     name = "collective-in-rank-branch"
     severity = "error"
     summary = "A collective runs only on some ranks: the others never join it and the job hangs"
-    words = ("barrier", "all_reduce", "all_gather", "broadcast", "reduce", "gather", "wait_for_everyone",
-             "scatter", "all_to_all")
-    anchors = words
+    # functions with an ``if`` on the rank whose branch runs a collective, itself or through a call
+    branch_anchors = ((RANK_TEST_TEXT, COLLECTIVE_TEXT),)
+
+    @classmethod
+    def wants(cls, text: str) -> bool:
+        # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
+        return any(f in text for f in FRAMEWORKS) and bool(RANK_TEST.search(text)) and \
+            bool(COLLECTIVE_CALL.search(text))
     what = """
         Finds a collective (`dist.barrier()`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
         `gather`, `accelerator.wait_for_everyone()`, ...) that runs only inside an `if rank == 0:`
