@@ -87,8 +87,12 @@ def wanted_rules(text: str, rules: Sequence) -> list:
 
 
 def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = None,
-                 filtered: bool = True) -> list:
-    """Findings for one source text (no file system, no cache)."""
+                 filtered: bool = True, measure_whole_file: bool = False) -> list:
+    """Findings for one source text (no file system, no cache).
+
+    ``measure_whole_file``: position findings with libcst's metadata over the whole file, the slow
+    reference the tests compare the per-function positions against.
+    """
     rules = list(ALL_RULES) if rules is None else list(rules)
     if SUPPRESS_FILE.search(text):
         return []
@@ -117,23 +121,27 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     ctx = RuleContext(ModuleModel(module, path, source=narrowed), path)
     for rule in active:
         rule().check(ctx)
-    return _suppressed(text, _positioned(module, path, ctx.raw))
+    return _suppressed(text, _positioned(ctx.model, None if measure_whole_file else tree, path, ctx.raw))
 
 
-def _positioned(module, path: str, raw: list) -> list:
-    """Positions only for reported nodes: PositionProvider costs ~10x the parse, so only flagged files pay."""
+def _positioned(model, tree, path: str, raw: list) -> list:
+    """Positions for reported nodes only.
+
+    libcst's PositionProvider re-generates the code it measures (~10x the cost of the parse), so it
+    runs on the function (or top-level statement) that holds each finding, and the stdlib-ast twin of
+    that statement says where it starts in the file.
+    """
     if not raw:
         return []
-    from libcst.metadata import MetadataWrapper, PositionProvider
+    from synccheck.analyzer.positions import locate
 
-    positions = MetadataWrapper(module, unsafe_skip_copy=True).resolve(PositionProvider)
     out: dict = {}
-    for rule, node, message, fix in raw:
-        pos = positions.get(node)
+    for (rule, node, message, fix), pos in zip(raw, locate(model, tree, [r[1] for r in raw])):
         if pos is None:
             continue
-        finding = Finding(rule.code, rule.name, rule.severity, path, pos.start.line, pos.start.column + 1,
-                          pos.end.line, pos.end.column + 1, message, fix)
+        (line, column), (end_line, end_column) = pos
+        finding = Finding(rule.code, rule.name, rule.severity, path, line, column, end_line, end_column,
+                          message, fix)
         out.setdefault((finding.code, finding.line, finding.column), finding)
     return sorted(out.values(), key=lambda f: (f.line, f.column, f.code))
 

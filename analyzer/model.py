@@ -236,6 +236,10 @@ class ModuleModel:
         # loops over epochs: ``for epoch in ...`` or a loop holding another loop
         self.epoch_loops: list[cst.CSTNode] = []
         self.locals: dict[str, set] = {}      # function -> names it assigns (Python's local names)
+        # reported node -> the statement that holds it (its function, or a top-level statement):
+        # positions are computed for that statement alone, not the whole file
+        self.owner: dict[int, cst.CSTNode] = {}
+        self._top: Optional[cst.CSTNode] = None
         self._fn: Optional[str] = None        # the function the facts pass is in
         self._source: Optional[str] = source
         self._atom_cache: dict[int, str] = {}
@@ -386,11 +390,20 @@ class ModuleModel:
                      inferred: bool = False) -> None:
         if not key:
             return
+        self._own(node)
         entry = Wrapped(key, kind, node, self._cond_lits(conds), dict(options or {}), inferred)
         self.wrapped.setdefault(key, []).append(entry)
 
+    def _own(self, node) -> None:
+        """Remember which statement holds a node a rule may report (facts pass)."""
+        holder = self.defs.get(self._fn, (None,))[0] if self._fn else self._top
+        if holder is not None:
+            self.owner[id(node)] = holder
+
     def _collect_facts(self, stmts, class_name: Optional[str], conds: tuple) -> None:
         for stmt in stmts:
+            if class_name is None and self._fn is None and not conds:
+                self._top = stmt
             if isinstance(stmt, cst.SimpleStatementLine):
                 for small in stmt.body:
                     self._fact_small(small, class_name, conds)
@@ -460,6 +473,8 @@ class ModuleModel:
                 obj = dotted(call.func.value)
                 args = [a.value for a in call.args if a.keyword is None]
                 owner = self.scoped(obj, class_name)
+                if attr in ("no_sync", "no_backward_sync", "accumulate"):
+                    self._own(call)
                 if attr == "no_sync" and not call.args:
                     self.sync_calls.append((call, owner, f"{obj}.no_sync()"))
                     self._infer_ddp(obj, class_name, call)
@@ -550,6 +565,7 @@ class ModuleModel:
             for k in keys:
                 if k:
                     self.samplers[k] = value
+                    self._own(value)
             return
         if isinstance(value.func, cst.Attribute):
             attr = value.func.attr.value
@@ -595,10 +611,13 @@ class ModuleModel:
 
     # -- IR ------------------------------------------------------------------------------------------
     def _build_functions(self) -> list[Function]:
-        functions = [Function("<module>", self.module, None, self._block(self.module.body, _Ctx(None)))]
+        top: list = []
+        for stmt in self.module.body:
+            top.extend(self._stmt(stmt, _Ctx(None, owner=stmt)))
+        functions = [Function("<module>", self.module, None, top)]
         for qual, (fdef, class_name) in self.defs.items():
             functions.append(Function(qual, fdef, class_name,
-                                      self._block(_block(fdef.body), _Ctx(class_name, stack=(qual,))),
+                                      self._block(_block(fdef.body), _Ctx(class_name, stack=(qual,), owner=fdef)),
                                       is_contextmanager=_is_contextmanager(fdef)))
         return functions
 
@@ -644,6 +663,7 @@ class ModuleModel:
             for item in items:
                 if isinstance(item, cst.Call) and not self._is_control_call(item, ctx):
                     pre.extend(self._expr_events(item, ctx, skip_self=True))
+            self.owner[id(stmt)] = ctx.owner
             return pre + [With(items, body, stmt, no_grad, ctx)]
         if isinstance(stmt, cst.Try):
             out = self._block(_block(stmt.body), ctx)
@@ -674,6 +694,7 @@ class ModuleModel:
                 elif isinstance(target, cst.Attribute) and target.attr.value == "require_backward_grad_sync":
                     key = self.resolve(target.value, ctx)
                     if key:
+                        self.owner[id(line)] = ctx.owner
                         out.append(Flag(key, value, line))
                 elif isinstance(target, (cst.Tuple, cst.List)):
                     for name in _target_names(target):
@@ -740,7 +761,10 @@ class ModuleModel:
         for call in _calls(expr):
             if skip_self and call is expr:
                 continue
-            out.extend(self._call_events(call, ctx))
+            events = self._call_events(call, ctx)
+            if events:
+                self.owner[id(call)] = ctx.owner
+            out.extend(events)
         return out
 
     def _call_events(self, call: cst.Call, ctx: "_Ctx") -> list:
@@ -819,7 +843,7 @@ class ModuleModel:
                 continue
             aliases[pname] = self.resolve(arg, ctx) if isinstance(arg, (cst.Name, cst.Attribute)) else None
             binds.append(Assign(pname, arg, call))
-        inner = _Ctx(class_name if class_name else ctx.class_name, aliases, ctx.stack + (qual,))
+        inner = _Ctx(class_name if class_name else ctx.class_name, aliases, ctx.stack + (qual,), owner=fdef)
         body = binds + self._block(_block(fdef.body), inner)
         return [Inline(qual, call, body)] if len(body) > len(binds) else []
 
@@ -829,6 +853,7 @@ class _Ctx:
     class_name: Optional[str]
     aliases: dict = field(default_factory=dict)
     stack: tuple = ()
+    owner: Optional[cst.CSTNode] = None      # the function (or top-level statement) being built
 
 
 # ---------------------------------------------------------------------------------------------------

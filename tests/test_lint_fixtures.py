@@ -25,3 +25,13 @@ def test_fixture(path):
     got = {(f.line, f.code) for f in found}
     detail = "\n".join(f"  {f.line}:{f.column} {f.code} {f.message}" for f in found)
     assert got == expected, f"{path.name}: expected {sorted(expected)}, got:\n{detail}"
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_positions_match_whole_file_measure(path):
+    """Findings are positioned per function (fast); the whole-file measure must agree, columns too."""
+    source = path.read_text()
+    fast = [(f.code, f.line, f.column, f.end_line, f.end_column) for f in check_source(source, str(path))]
+    slow = [(f.code, f.line, f.column, f.end_line, f.end_column)
+            for f in check_source(source, str(path), measure_whole_file=True)]
+    assert fast == slow

@@ -1,0 +1,82 @@
+"""Where reported nodes are, 1-based, without measuring the whole file.
+
+A finding's node belongs to a function or a top-level statement (the model records which). That
+statement alone is measured with libcst's PositionProvider, and its stdlib-ast twin (from the narrowing
+stage) gives the line and indentation it starts at in the file.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, PositionProvider
+
+
+def locate(model, tree: Optional[ast.Module], nodes: list) -> list:
+    """[((line, column), (end_line, end_column)) | None] for each node."""
+    twins = _twins(model, tree) if tree is not None else {}
+    cache: dict = {}
+    whole = None
+    out = []
+    for node in nodes:
+        holder = model.owner.get(id(node))
+        twin = twins.get(id(holder)) if holder is not None else None
+        pos = None
+        if twin is not None:
+            if id(holder) not in cache:
+                cache[id(holder)] = _measure(model.module, holder)
+            positions, start = cache[id(holder)]
+            rel = positions.get(node)
+            if rel is not None:
+                shift_line = twin.lineno - start.line
+                shift_col = twin.col_offset - start.column
+                pos = ((rel.start.line + shift_line, rel.start.column + shift_col + 1),
+                       (rel.end.line + shift_line, rel.end.column + (shift_col if rel.end.line == rel.start.line
+                                                                    else 0) + 1))
+        if pos is None:
+            if whole is None:
+                whole = MetadataWrapper(model.module, unsafe_skip_copy=True).resolve(PositionProvider)
+            rel = whole.get(node)
+            if rel is not None:
+                pos = ((rel.start.line, rel.start.column + 1), (rel.end.line, rel.end.column + 1))
+        out.append(pos)
+    return out
+
+
+def _measure(module: cst.Module, holder) -> tuple:
+    mini = module.with_changes(body=[holder], header=[], footer=[])
+    positions = MetadataWrapper(mini, unsafe_skip_copy=True).resolve(PositionProvider)
+    return positions, positions[holder].start
+
+
+def _twins(model, tree: ast.Module) -> dict:
+    """id(libcst statement) -> its ast statement, for top-level statements and every def the model knows."""
+    twins: dict = {}
+    ast_defs: dict = {}
+
+    def collect(body, class_name) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                ast_defs.setdefault(f"{class_name}.{node.name}" if class_name else node.name, node)
+            elif isinstance(node, ast.ClassDef):
+                collect(node.body, node.name)
+            elif isinstance(node, ast.If):
+                collect(node.body, class_name)
+                collect(node.orelse, class_name)
+            elif isinstance(node, ast.Try):
+                collect(node.body, class_name)
+
+    collect(tree.body, None)
+    for qual, (fdef, _) in model.defs.items():
+        twin = ast_defs.get(qual)
+        if twin is not None:
+            twins[id(fdef)] = twin
+    i = 0
+    for stmt in model.module.body:
+        if i >= len(tree.body):
+            break
+        if not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or not getattr(stmt, "decorators", None):
+            twins.setdefault(id(stmt), tree.body[i])
+        i += len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
+    return twins
