@@ -31,9 +31,9 @@ def locate(model, tree: Optional[ast.Module], nodes: list) -> list:
             if rel is not None:
                 shift_line = twin.lineno - start.line
                 shift_col = twin.col_offset - start.column
+                # every line of the holder is indented by the holder's own indentation in the file
                 pos = ((rel.start.line + shift_line, rel.start.column + shift_col + 1),
-                       (rel.end.line + shift_line, rel.end.column + (shift_col if rel.end.line == rel.start.line
-                                                                    else 0) + 1))
+                       (rel.end.line + shift_line, rel.end.column + shift_col + 1))
         if pos is None:
             if whole is None:
                 whole = MetadataWrapper(model.module, unsafe_skip_copy=True).resolve(PositionProvider)
