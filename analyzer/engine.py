@@ -138,8 +138,14 @@ def _suppressed(text: str, findings: list) -> list:
 
 
 def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
-         is_excluded=lambda path: False, cache_dir: Optional[str] = None) -> LintResult:
-    """The whole pipeline over files and folders. ``cache_dir=None``: no cache."""
+         is_excluded=lambda path: False, cache_dir: Optional[str] = None,
+         ignored_codes=lambda path: ()) -> LintResult:
+    """The whole pipeline over files and folders. ``cache_dir=None``: no cache.
+
+    ``is_excluded(path)`` and ``ignored_codes(path)`` (code prefixes not reported for that file) come
+    from the configuration; the cache holds results before ``ignored_codes``, so it stays valid when
+    they change.
+    """
     rules = list(ALL_RULES) if rules is None else list(rules)
     codes = tuple(r.code for r in rules)
     files = discover(paths, is_excluded)
@@ -202,6 +208,8 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
             cache.put(path, key, found[i], [])
     if cache is not None:
         cache.save()
+    result.findings = [f for f in result.findings
+                       if not any(f.code.startswith(p) for p in ignored_codes(f.path))]
     result.findings.sort(key=lambda f: (f.path, f.line, f.column, f.code))
     return result
 
