@@ -6,16 +6,15 @@ pool when enough files need parsing to pay for one.
 from __future__ import annotations
 
 import os
-import re
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
 from synccheck.analyzer.ftypes import Finding, LintResult
 from synccheck.analyzer.rules import ALL_RULES, BY_CODE
 from synccheck.analyzer.source import read_source
+from synccheck.analyzer.suppress import ALL, SUPPRESS, SUPPRESS_FILE, file_ignores, ignored, suppressed
 
-SUPPRESS = re.compile(r"#\s*synccheck:\s*ignore(?:\[([A-Za-z0-9_,\s-]+)\])?")
-SUPPRESS_FILE = re.compile(r"#\s*synccheck:\s*ignore-file\b")
+__all__ = ["check_source", "lint", "select_rules", "wanted_rules", "SUPPRESS", "SUPPRESS_FILE"]
 # Parsing is ~20 ms a file; a pool costs ~50 ms to start on 2 cores.
 POOL_MIN_FILES = 8
 
@@ -75,9 +74,11 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
                  filtered: bool = True) -> list:
     """Findings for one source text (no file system, no cache)."""
     rules = list(ALL_RULES) if rules is None else list(rules)
-    if SUPPRESS_FILE.search(text):
+    off = file_ignores(text)
+    if off == ALL:
         return []
     active = wanted_rules(text, rules) if filtered else [r for r in rules if r.code != "SC000"]
+    active = [r for r in active if not ignored(r.code, off)]
     if not active:
         return []
     from synccheck.analyzer.narrow import narrow
@@ -93,7 +94,7 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
         if any(r.code == "SC000" for r in rules):
             line, column, message = error
             rule = BY_CODE["SC000"]
-            return _suppressed(text, [Finding(rule.code, rule.name, rule.severity, path, line, column, line,
+            return suppressed(text, [Finding(rule.code, rule.name, rule.severity, path, line, column, line,
                                               column, f"cannot parse: {message}",
                                               "fix the syntax error; nothing else in this file was checked")])
         return []
@@ -101,7 +102,7 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     ctx = RuleContext(ModuleModel(module, path), path)
     for rule in active:
         rule().check(ctx)
-    return _suppressed(text, _positioned(module, path, ctx.raw))
+    return suppressed(text, _positioned(module, path, ctx.raw), tree)
 
 
 def _positioned(module, path: str, raw: list) -> list:
@@ -120,21 +121,6 @@ def _positioned(module, path: str, raw: list) -> list:
                           pos.end.line, pos.end.column + 1, message, fix)
         out.setdefault((finding.code, finding.line, finding.column), finding)
     return sorted(out.values(), key=lambda f: (f.line, f.column, f.code))
-
-
-def _suppressed(text: str, findings: list) -> list:
-    if not findings or "synccheck" not in text:
-        return findings
-    lines = text.splitlines()
-    kept = []
-    for f in findings:
-        source_line = lines[f.line - 1] if 0 < f.line <= len(lines) else ""
-        match = SUPPRESS.search(source_line)
-        if match and (match.group(1) is None or
-                      any(f.code.startswith(c.strip()) for c in match.group(1).split(",") if c.strip())):
-            continue
-        kept.append(f)
-    return kept
 
 
 def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
@@ -184,7 +170,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
             if cache is not None and key:
                 cache.put(path, key, [], [error])
             continue
-        if wanted_rules(text, rules) and not SUPPRESS_FILE.search(text):
+        if wanted_rules(text, rules) and file_ignores(text) != ALL:
             todo.append((path, text, key))
         elif cache is not None and key:
             cache.put(path, key, [], [])
@@ -208,8 +194,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
             cache.put(path, key, found[i], [])
     if cache is not None:
         cache.save()
-    result.findings = [f for f in result.findings
-                       if not any(f.code.startswith(p) for p in ignored_codes(f.path))]
+    result.findings = [f for f in result.findings if not ignored(f.code, ignored_codes(f.path))]
     result.findings.sort(key=lambda f: (f.path, f.line, f.column, f.code))
     return result
 
