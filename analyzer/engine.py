@@ -150,7 +150,13 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
                 result.errors.extend(hit[1])
                 result.cached += 1
                 continue
-        text, error = read_source(path)
+        notebook = None
+        if path.endswith(".ipynb"):
+            from synccheck.analyzer.notebook import read_notebook
+            notebook, error = read_notebook(path)
+            text = notebook.text if notebook is not None else None
+        else:
+            text, error = read_source(path)
         key = None
         if cache is not None:
             try:
@@ -171,7 +177,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
                 cache.put(path, key, [], [error])
             continue
         if wanted_rules(text, rules) and file_ignores(text) != ALL:
-            todo.append((path, text, key))
+            todo.append((path, text, key, notebook))
         elif cache is not None and key:
             cache.put(path, key, [], [])
     result.parsed = len(todo)
@@ -187,15 +193,17 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
             outputs = pool.map(_check_file, [(todo[i][1], todo[i][0], codes) for i in order], chunksize=1)
             found = dict(zip(order, outputs))
     else:
-        found = {i: check_source(text, path, rules) for i, (path, text, _) in enumerate(todo)}
-    for i, (path, _, key) in enumerate(todo):
+        found = {i: check_source(text, path, rules) for i, (path, text, _, _) in enumerate(todo)}
+    for i, (path, _, key, notebook) in enumerate(todo):
+        if notebook is not None:
+            found[i] = notebook.map_findings(found[i])
         result.findings.extend(found[i])
         if cache is not None and key:
             cache.put(path, key, found[i], [])
     if cache is not None:
         cache.save()
     result.findings = [f for f in result.findings if not ignored(f.code, ignored_codes(f.path))]
-    result.findings.sort(key=lambda f: (f.path, f.line, f.column, f.code))
+    result.findings.sort(key=lambda f: (f.path, f.cell or 0, f.line, f.column, f.code))
     return result
 
 
