@@ -153,10 +153,17 @@ def _validate(path: str, table: dict) -> dict:
         if key in ("select", "ignore"):
             out[key] = codes(key, value)
         elif key in ("exclude", "extend-exclude"):
-            out["exclude"] += strings(key, value)
+            patterns = strings(key, value)
+            bad = IgnorePatterns(".", patterns).invalid
+            if bad:
+                fail(key, f"invalid pattern {bad[0]!r}")
+            out["exclude"] += patterns
         else:
             if not isinstance(value, dict):
                 fail(key, f"expected a table of pattern = [codes], got {value!r}")
+            bad = IgnorePatterns(".", [p.lstrip("!") for p in value]).invalid
+            if bad:
+                fail(key, f"invalid pattern {bad[0]!r}")
             out["per_file_ignores"] = {pattern: codes(f"{key} {pattern!r}", v) for pattern, v in value.items()}
     return out
 

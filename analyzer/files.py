@@ -32,8 +32,13 @@ class IgnorePatterns:
         self.base = os.path.abspath(base)
         self.source = source
         self.rules: list = []    # (regex, negate, dir_only, anchored)
+        self.invalid: list = []  # patterns no regex can express ("[z-a]"): git never matches them either
         for line in lines:
-            rule = _compile(line)
+            try:
+                rule = _compile(line)
+            except re.error:
+                self.invalid.append(line)
+                continue
             if rule is not None:
                 self.rules.append(rule)
 

@@ -70,6 +70,8 @@ def parse_notebook(path: str, data: bytes) -> Tuple[Optional[NotebookSource], Op
         return None, FileError(path, f"not a notebook: cannot decode as UTF-8 (byte offset {exc.start})")
     except ValueError as exc:
         return None, FileError(path, f"not a notebook: invalid JSON ({exc})")
+    except RecursionError:
+        return None, FileError(path, "not a notebook: JSON nested too deeply")
     cells = document.get("cells") if isinstance(document, dict) else None
     if not isinstance(cells, list):
         hint = " (nbformat 3 is not supported; re-save it with Jupyter)" if isinstance(document, dict) and \

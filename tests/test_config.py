@@ -127,6 +127,8 @@ def test_explicit_config_path(tmp_path):
     ('[tool.synccheck.per-file-ignores]\n"tests/*" = ["SC9"]\n', ["per-file-ignores 'tests/*'", "'SC9'"]),
     ('[tool.synccheck.per-file-ignores]\n"tests/*" = "SC101"\n', ["per-file-ignores 'tests/*'", "list of strings"]),
     ("[tool]\nsynccheck = 3\n", ["pyproject.toml", "must be a table"]),
+    ('[tool.synccheck]\nexclude = ["gen_[z-a].py"]\n', ["exclude", "invalid pattern"]),
+    ('[tool.synccheck.per-file-ignores]\n"[z-a]" = ["SC101"]\n', ["per-file-ignores", "invalid pattern"]),
 ])
 def test_configuration_mistakes_exit_2_one_line(tmp_path, text, needles):
     (tmp_path / "pyproject.toml").write_text(text)

@@ -42,6 +42,8 @@ def matches(patterns, rel, is_dir=False, base="/r"):
     (["\\#hash.py"], "#hash.py", False, True),
     (["\\!bang.py"], "!bang.py", False, True),
     (["trailing.py   "], "trailing.py", False, True),
+    (["gen_[z-a].py", "*.txt"], "gen_b.py", False, None),    # a pattern git cannot match is skipped
+    (["[unclosed.py"], "[unclosed.py", False, True),
 ])
 def test_gitignore_patterns(patterns, rel, is_dir, expected):
     assert matches(patterns, rel, is_dir) is expected

@@ -95,6 +95,7 @@ def test_python_lines(cell_lines, expected):
     (b"[1, 2]", 'not a notebook: no "cells" list'),
     (b'{"worksheets": [], "nbformat": 3}', "nbformat 3"),
     (b"\xff\xfe\x00garbage", "not a notebook"),
+    (b"[" * 100000, "not a notebook"),
 ])
 def test_not_a_notebook_is_reported_and_the_rest_still_linted(tmp_path, data, needle):
     (tmp_path / "bad.ipynb").write_bytes(data)
