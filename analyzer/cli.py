@@ -19,10 +19,10 @@ def _codes(value: str) -> list:
 
 
 def _check_codes(codes, option: str) -> None:
-    from synccheck.analyzer.rules import ALL_RULES
+    from synccheck.analyzer.config import known_code
 
     for code in codes or ():
-        if not any(r.code.startswith(code) for r in ALL_RULES) and code != "ALL":
+        if not known_code(code):
             raise UsageError(f"{option}: unknown rule code or prefix {code!r} (see `synccheck rule --all`)")
 
 
@@ -37,6 +37,10 @@ def lint_main(argv: List[str]) -> int:
                         help="only these rule codes or prefixes, comma-separated (SC1, SC101)")
     parser.add_argument("--ignore", type=_codes, default=None, metavar="CODES",
                         help="skip these rule codes or prefixes")
+    parser.add_argument("--config", default=None, metavar="PATH",
+                        help="the pyproject.toml to read [tool.synccheck] from "
+                             "(default: the nearest one above the current folder)")
+    parser.add_argument("--isolated", action="store_true", help="ignore every configuration file")
     parser.add_argument("--statistics", action="store_true", help="print a count per rule code")
     parser.add_argument("--exit-zero", action="store_true", help="exit 0 even when there are findings")
     parser.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: cores)")
@@ -47,13 +51,15 @@ def lint_main(argv: List[str]) -> int:
         args = parser.parse_args(argv)
         _check_codes(args.select, "--select")
         _check_codes(args.ignore, "--ignore")
-        from synccheck.analyzer.engine import lint, select_rules
+        from synccheck.analyzer.config import Config, load_config, resolve_rules
+        from synccheck.analyzer.engine import lint
         from synccheck.analyzer.report import render
 
-        select = None if args.select == ["ALL"] else args.select
+        config = Config() if args.isolated else load_config(args.config)
         cache_dir = None if args.no_cache else (args.cache_dir or os.environ.get("SYNCCHECK_CACHE_DIR")
                                                   or ".synccheck_cache")
-        result = lint(args.paths, select_rules(select, args.ignore), jobs=args.jobs, cache_dir=cache_dir)
+        result = lint(args.paths, resolve_rules(config, args.select, args.ignore), jobs=args.jobs,
+                      cache_dir=cache_dir, is_excluded=config.is_excluded, ignored_codes=config.ignored_codes)
     except UsageError as exc:
         print(f"synccheck lint: error: {exc}", file=sys.stderr)
         return 2

@@ -6,16 +6,15 @@ pool when enough files need parsing to pay for one.
 from __future__ import annotations
 
 import os
-import re
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
 from synccheck.analyzer.ftypes import Finding, LintResult
 from synccheck.analyzer.rules import ALL_RULES, BY_CODE
 from synccheck.analyzer.source import read_source
+from synccheck.analyzer.suppress import ALL, SUPPRESS, SUPPRESS_FILE, file_ignores, ignored, suppressed
 
-SUPPRESS = re.compile(r"#\s*synccheck:\s*ignore(?:\[([A-Za-z0-9_,\s-]+)\])?")
-SUPPRESS_FILE = re.compile(r"#\s*synccheck:\s*ignore-file\b")
+__all__ = ["check_source", "lint", "select_rules", "wanted_rules", "SUPPRESS", "SUPPRESS_FILE"]
 # Parsing is ~20 ms a file; a pool costs ~50 ms to start on 2 cores.
 POOL_MIN_FILES = 8
 
@@ -94,9 +93,11 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     reference the tests compare the per-function positions against.
     """
     rules = list(ALL_RULES) if rules is None else list(rules)
-    if SUPPRESS_FILE.search(text):
+    off = file_ignores(text)
+    if off == ALL:
         return []
     active = wanted_rules(text, rules) if filtered else [r for r in rules if r.code != "SC000"]
+    active = [r for r in active if not ignored(r.code, off)]
     if not active:
         return []
     from synccheck.analyzer.narrow import narrow
@@ -113,7 +114,7 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
         if any(r.code == "SC000" for r in rules):
             line, column, message = error
             rule = BY_CODE["SC000"]
-            return _suppressed(text, [Finding(rule.code, rule.name, rule.severity, path, line, column, line,
+            return suppressed(text, [Finding(rule.code, rule.name, rule.severity, path, line, column, line,
                                               column, f"cannot parse: {message}",
                                               "fix the syntax error; nothing else in this file was checked")])
         return []
@@ -121,7 +122,7 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     ctx = RuleContext(ModuleModel(module, path, source=narrowed), path)
     for rule in active:
         rule().check(ctx)
-    return _suppressed(text, _positioned(ctx.model, None if measure_whole_file else tree, path, ctx.raw))
+    return suppressed(text, _positioned(ctx.model, None if measure_whole_file else tree, path, ctx.raw), tree)
 
 
 def _positioned(model, tree, path: str, raw: list) -> list:
@@ -146,24 +147,15 @@ def _positioned(model, tree, path: str, raw: list) -> list:
     return sorted(out.values(), key=lambda f: (f.line, f.column, f.code))
 
 
-def _suppressed(text: str, findings: list) -> list:
-    if not findings or "synccheck" not in text:
-        return findings
-    lines = text.splitlines()
-    kept = []
-    for f in findings:
-        source_line = lines[f.line - 1] if 0 < f.line <= len(lines) else ""
-        match = SUPPRESS.search(source_line)
-        if match and (match.group(1) is None or
-                      any(f.code.startswith(c.strip()) for c in match.group(1).split(",") if c.strip())):
-            continue
-        kept.append(f)
-    return kept
-
-
 def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
-         is_excluded=lambda path: False, cache_dir: Optional[str] = None) -> LintResult:
-    """The whole pipeline over files and folders. ``cache_dir=None``: no cache."""
+         is_excluded=lambda path: False, cache_dir: Optional[str] = None,
+         ignored_codes=lambda path: ()) -> LintResult:
+    """The whole pipeline over files and folders. ``cache_dir=None``: no cache.
+
+    ``is_excluded(path)`` and ``ignored_codes(path)`` (code prefixes not reported for that file) come
+    from the configuration; the cache holds results before ``ignored_codes``, so it stays valid when
+    they change.
+    """
     rules = list(ALL_RULES) if rules is None else list(rules)
     codes = tuple(r.code for r in rules)
     files = discover(paths, is_excluded)
@@ -182,7 +174,13 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
                 result.errors.extend(hit[1])
                 result.cached += 1
                 continue
-        text, error = read_source(path)
+        notebook = None
+        if path.endswith(".ipynb"):
+            from synccheck.analyzer.notebook import read_notebook
+            notebook, error = read_notebook(path)
+            text = notebook.text if notebook is not None else None
+        else:
+            text, error = read_source(path)
         key = None
         if cache is not None:
             try:
@@ -202,8 +200,8 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
             if cache is not None and key:
                 cache.put(path, key, [], [error])
             continue
-        if wanted_rules(text, rules) and not SUPPRESS_FILE.search(text):
-            todo.append((path, text, key))
+        if wanted_rules(text, rules) and file_ignores(text) != ALL:
+            todo.append((path, text, key, notebook))
         elif cache is not None and key:
             cache.put(path, key, [], [])
     result.parsed = len(todo)
@@ -219,14 +217,17 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
             outputs = pool.map(_check_file, [(todo[i][1], todo[i][0], codes) for i in order], chunksize=1)
             found = dict(zip(order, outputs))
     else:
-        found = {i: check_source(text, path, rules) for i, (path, text, _) in enumerate(todo)}
-    for i, (path, _, key) in enumerate(todo):
+        found = {i: check_source(text, path, rules) for i, (path, text, _, _) in enumerate(todo)}
+    for i, (path, _, key, notebook) in enumerate(todo):
+        if notebook is not None:
+            found[i] = notebook.map_findings(found[i])
         result.findings.extend(found[i])
         if cache is not None and key:
             cache.put(path, key, found[i], [])
     if cache is not None:
         cache.save()
-    result.findings.sort(key=lambda f: (f.path, f.line, f.column, f.code))
+    result.findings = [f for f in result.findings if not ignored(f.code, ignored_codes(f.path))]
+    result.findings.sort(key=lambda f: (f.path, f.cell or 0, f.line, f.column, f.code))
     return result
 
 

@@ -109,7 +109,11 @@ def _full(result: LintResult, out: TextIO) -> None:
 
 def _source_lines(f, cache: dict) -> list:
     if f.cell is not None:
-        return []
+        if (f.path, f.cell) not in cache:
+            from synccheck.analyzer.notebook import read_notebook
+            notebook, _ = read_notebook(f.path) if os.path.isfile(f.path) else (None, None)
+            cache[(f.path, f.cell)] = notebook.cells.get(f.cell, []) if notebook else []
+        return cache[(f.path, f.cell)]
     if f.path not in cache:
         from synccheck.analyzer.source import read_source
         text, _ = read_source(f.path) if os.path.isfile(f.path) else (None, None)

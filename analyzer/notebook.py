@@ -1,0 +1,199 @@
+"""Stage 2 for Jupyter notebooks: the code cells as one Python text, and findings mapped back to cells.
+
+A notebook runs its cells in one namespace, so the model is wrapped in one cell and trained in another:
+the cells are joined into one text (each cell's lines kept as they are, a blank line between cells) and
+analysed like a script. IPython syntax that is not Python (``%time x``, ``%%bash`` cells, ``!pip install``,
+``x?``) becomes ``pass`` or blank lines, line for line, so the text parses and line numbers still map.
+"""
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Tuple
+
+from synccheck.analyzer.ftypes import FileError
+
+# Cell magics whose body is Python run as usual (timed, captured, profiled): the body is analysed.
+PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun", "debug", "memit", "px", "autoreload"}
+# At the start of a logical line, IPython reads these as its own syntax; in Python they cannot start one.
+ESCAPES = ("%", "!", "?", "/", ",", ";")
+# ``files = !ls`` and ``t = %timeit -o f()``: keep the assignment, drop the command.
+ASSIGN_MAGIC = re.compile(r"^(\s*[A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*\s*=\s*)[!%]")
+
+
+class NotebookSource:
+    """The joined code of a notebook and where each of its lines came from."""
+
+    def __init__(self, path: str, text: str, origin: List[Optional[Tuple[int, int]]], cells: dict) -> None:
+        self.path = path
+        self.text = text
+        self.origin = origin        # joined line (0-based) -> (cell number, line in cell), None: separator
+        self.cells = cells          # cell number (1-based among all cells) -> its original source lines
+
+    def locate(self, line: int) -> Tuple[int, int]:
+        """(cell, line in cell) of a line of the joined text; a separator belongs to the cell before it."""
+        index = min(max(line, 1), len(self.origin)) - 1
+        while index > 0 and self.origin[index] is None:
+            index -= 1
+        return self.origin[index] if self.origin and self.origin[index] else (1, 1)
+
+    def map_findings(self, findings: list) -> list:
+        from dataclasses import replace
+
+        out = []
+        for f in findings:
+            cell, line = self.locate(f.line)
+            end_cell, end_line = self.locate(f.end_line)
+            end_column = f.end_column
+            if end_cell != cell:     # a node spanning cells: clip it to the end of the first one
+                own = self.cells.get(cell) or [""]
+                end_line = len(own)
+                end_column = len(own[-1]) + 1
+            out.append(replace(f, line=line, end_line=end_line, end_column=end_column, cell=cell))
+        return out
+
+
+def read_notebook(path: str) -> Tuple[Optional[NotebookSource], Optional[FileError]]:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        return None, FileError(path, f"cannot read: {exc.strerror or exc}")
+    return parse_notebook(path, data)
+
+
+def parse_notebook(path: str, data: bytes) -> Tuple[Optional[NotebookSource], Optional[FileError]]:
+    import json
+
+    try:
+        document = json.loads(data)
+    except UnicodeDecodeError as exc:
+        return None, FileError(path, f"not a notebook: cannot decode as UTF-8 (byte offset {exc.start})")
+    except ValueError as exc:
+        return None, FileError(path, f"not a notebook: invalid JSON ({exc})")
+    except RecursionError:
+        return None, FileError(path, "not a notebook: JSON nested too deeply")
+    cells = document.get("cells") if isinstance(document, dict) else None
+    if not isinstance(cells, list):
+        hint = " (nbformat 3 is not supported; re-save it with Jupyter)" if isinstance(document, dict) and \
+            "worksheets" in document else ""
+        return None, FileError(path, f"not a notebook: no \"cells\" list{hint}")
+    if not _is_python(document):
+        return NotebookSource(path, "", [], {}), None
+    lines: List[str] = []
+    origin: List[Optional[Tuple[int, int]]] = []
+    sources: dict = {}
+    for number, cell in enumerate(cells, start=1):
+        if not isinstance(cell, dict) or cell.get("cell_type") != "code":
+            continue
+        source = cell.get("source", "")
+        if isinstance(source, list):
+            source = "".join(s for s in source if isinstance(s, str))
+        if not isinstance(source, str):
+            continue
+        cell_lines = source.splitlines()
+        sources[number] = cell_lines
+        for i, code in enumerate(python_lines(cell_lines), start=1):
+            lines.append(code)
+            origin.append((number, i))
+        lines.append("")             # a cell ends its statements: never let one run into the next
+        origin.append(None)
+    return NotebookSource(path, "\n".join(lines) + "\n", origin, sources), None
+
+
+def _is_python(document: dict) -> bool:
+    metadata = document.get("metadata")
+    if not isinstance(metadata, dict):
+        return True
+    for key in ("language_info", "kernelspec"):
+        info = metadata.get(key)
+        language = info.get("name" if key == "language_info" else "language") if isinstance(info, dict) else None
+        if isinstance(language, str) and language:
+            return language.lower() == "python"
+    return True
+
+
+def python_lines(cell: List[str]) -> List[str]:
+    """The cell's lines with IPython syntax replaced, one line out for each line in."""
+    if cell and cell[0].lstrip().startswith("%%"):
+        name = cell[0].lstrip()[2:].split(None, 1)[0] if cell[0].lstrip()[2:].strip() else ""
+        if name not in PYTHON_CELL_MAGICS:
+            return [""] * len(cell)          # %%bash, %%writefile, %%html...: not Python at all
+        return [""] + python_lines(cell[1:])
+    out: List[str] = []
+    scanner = _Scanner()
+    for line in cell:
+        if scanner.at_statement_start():
+            stripped = line.lstrip()
+            indent = line[:len(line) - len(stripped)]
+            assigned = ASSIGN_MAGIC.match(line)
+            if assigned:
+                out.append(assigned.group(1) + "None")
+                continue
+            if stripped.startswith(ESCAPES) or _help_suffix(stripped):
+                out.append(indent + "pass")
+                continue
+        scanner.feed(line)
+        out.append(line)
+    return out
+
+
+def _help_suffix(stripped: str) -> bool:
+    """``obj?`` / ``obj??``: IPython's help. A ``?`` ending a Python line can only be in a comment."""
+    if not stripped.rstrip().endswith("?") or stripped.startswith("#"):
+        return False
+    return "#" not in stripped and "'" not in stripped and '"' not in stripped
+
+
+class _Scanner:
+    """Just enough of the tokenizer to know whether a line starts a new statement: open brackets, open
+    triple-quoted strings and backslash continuations mean it does not (``% 4`` there is a modulo)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.quote: Optional[str] = None    # an open triple-quoted string
+        self.continued = False
+
+    def at_statement_start(self) -> bool:
+        return self.depth == 0 and self.quote is None and not self.continued
+
+    def feed(self, line: str) -> None:
+        i, n = 0, len(line)
+        self.continued = False
+        while i < n:
+            if self.quote is not None:
+                end = line.find(self.quote, i)
+                while end > 0 and _escaped(line, end):
+                    end = line.find(self.quote, end + 1)
+                if end < 0:
+                    return
+                i = end + 3
+                self.quote = None
+                continue
+            c = line[i]
+            if c == "#":
+                return
+            if c in "\"'":
+                if line.startswith(c * 3, i):
+                    self.quote = c * 3
+                    i += 3
+                    continue
+                j = i + 1
+                while j < n and line[j] != c:
+                    j += 2 if line[j] == "\\" else 1
+                i = j + 1
+                continue
+            if c in "([{":
+                self.depth += 1
+            elif c in ")]}":
+                self.depth = max(0, self.depth - 1)
+            elif c == "\\" and line[i + 1:].strip() == "":
+                self.continued = True
+                return
+            i += 1
+
+
+def _escaped(line: str, index: int) -> bool:
+    backslashes = 0
+    while index - backslashes - 1 >= 0 and line[index - backslashes - 1] == "\\":
+        backslashes += 1
+    return backslashes % 2 == 1
