@@ -67,6 +67,17 @@ def process_role() -> str:
     spec = getattr(main, "__spec__", None)
     if spec is not None and str(spec.name).startswith(_LAUNCHER_MODULES):
         return "agent"
+    # `python -m torch.distributed.run`: runpy imports the torch.distributed package (and so torch)
+    # before __main__ exists and while sys.argv[0] is still "-m"; the interpreter's own argv says it.
+    orig = list(getattr(sys, "orig_argv", []))
+    for i, arg in enumerate(orig[1:], 1):
+        module = orig[i + 1] if arg == "-m" and i + 1 < len(orig) else (arg[2:] if arg.startswith("-m") else None)
+        if module is not None:
+            if module.startswith(_LAUNCHER_MODULES) or module in ("accelerate.commands.launch",):
+                return "agent"
+            break
+        if not arg.startswith("-"):
+            break
     argv0 = sys.argv[0] if sys.argv else ""
     base = os.path.basename(argv0)
     if base in _LAUNCHER_SCRIPTS:
@@ -476,12 +487,14 @@ def _wrap_collective(name: str, fn):
     except (TypeError, ValueError):
         params = []
     async_index = params.index("async_op") if "async_op" in params else -1
+    # FSDP passes tensors by keyword (`reduce_scatter_single(output=..., input=...)`): look up by name too.
     # The tensor that is reduced: for the *_single / *_tensor forms it is the input (second) argument.
     tensor_index = 1 if name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                                  "reduce_scatter_tensor", "all_to_all_single", "reduce_scatter",
                                  "all_to_all") else 0
     if name in ("barrier", "monitored_barrier"):
         tensor_index = -1
+    tensor_name = params[tensor_index] if 0 <= tensor_index < len(params) else None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -495,7 +508,7 @@ def _wrap_collective(name: str, fn):
                 async_op = False
             tensor = None
             if tensor_index >= 0:
-                tensor = args[tensor_index] if len(args) > tensor_index else None
+                tensor = args[tensor_index] if len(args) > tensor_index else kwargs.get(tensor_name)
             n_bytes = _n_bytes(tensor) if tensor is not None else 0
             path, line, via = scan_stack(sys._getframe(1))
             role = _classify(name, via, tensor)

@@ -120,6 +120,10 @@ class RankTail:
         self.partial: dict[str, bytes] = {}
         self.ranks: dict[int, dict] = {}        # rank -> meta
         self.last_progress: dict[int, float] = {}
+        # When any rank first did something (a progress event, or was seen blocked in a collective):
+        # the hang clock starts there, not at start-up, which can take long (DDP's first construction
+        # imports torch._dynamo).
+        self.first_activity: float | None = None
         self.last_events: dict[int, list] = {}  # rank -> last few events
         self.skip: set[str] = set()
 
@@ -154,8 +158,6 @@ class RankTail:
                         break
                     rank = ev[1]["rank"]
                     self.ranks[rank] = ev[1]
-                    self.last_progress[rank] = now
-                    progressed = True
                     continue
                 if rank is None:
                     rank = self._rank_of(path)
@@ -164,6 +166,9 @@ class RankTail:
                 recent = self.last_events.setdefault(rank, [])
                 recent.append(ev)
                 del recent[:-8]
+                if ev[0] in R.PROGRESS_KINDS or ev[0] == R.BLOCKED:
+                    if self.first_activity is None:
+                        self.first_activity = now
                 if ev[0] in R.PROGRESS_KINDS:
                     self.last_progress[rank] = now
                     progressed = True

@@ -69,7 +69,6 @@ def print_report(report: Report, console, *, exit_code=None, out_dir=None, headl
             table.add_column("host")
         for name in ("steps", "micro", "synced", "synced/step", "all-reduces", "MB", "s"):
             table.add_column(name, justify="right", no_wrap=True)
-        table.add_column("other", justify="left", min_width=5)
         for s in report.summaries:
             steady = s.steady_windows()
             per_step = (sum(w.synced_micro_steps for w in steady) / len(steady)) if steady else None
@@ -78,16 +77,21 @@ def print_report(report: Report, console, *, exit_code=None, out_dir=None, headl
             else:
                 style = "green" if abs(per_step - 1) < 1e-9 else ("red" if per_step < 1 else "yellow")
                 per_step_text = Text(f"{per_step:.3g}", style=style)
-            others = ", ".join(f"{name} {n}" for name, n in sorted(s.collectives.items()))
             row = [str(s.rank)] + ([s.host] if several_hosts else [])
             row += [str(s.optimizer_steps), str(s.micro_steps), str(s.synced_micro_steps), per_step_text,
-                    str(s.grad_allreduces), _mb(s.grad_allreduce_bytes), f"{s.allreduce_time_s:.3f}",
-                    others or "-"]
+                    str(s.grad_allreduces), _mb(s.grad_allreduce_bytes), f"{s.allreduce_time_s:.3f}"]
             table.add_row(*row)
         console.print(table)
+        others = {s.rank: ", ".join(f"{name} {n}" for name, n in sorted(s.other_collectives.items()))
+                  for s in report.summaries}
+        if any(others.values()):
+            if len(set(others.values())) == 1:
+                console.print(f"other collectives, every rank: {next(iter(others.values()))}")
+            else:
+                for rank, text in others.items():
+                    console.print(f"other collectives, rank {rank}: {text or '-'}")
         console.print(Text("steps: optimizer steps; synced: micro-steps whose backward all-reduced gradients; "
-                           "all-reduces, MB, s: gradient all-reduce count, volume and time; other: other "
-                           "Python-level collectives. Ideal: 1 synced micro-step per optimizer step (the first "
+                           "all-reduces, MB, s: gradient all-reduce count, volume and time. Ideal: 1 synced micro-step per optimizer step (the first "
                            "step is left out: DDP rebuilds its buckets after it).", style="dim"))
     for f in report.findings:
         style = "bold red" if f.severity == "error" else "bold yellow"

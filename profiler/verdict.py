@@ -45,7 +45,8 @@ class RankSummary:
     grad_allreduce_bytes: int = 0
     allreduce_time_s: float = 0.0
     param_averages: int = 0
-    collectives: Counter = field(default_factory=Counter)
+    collectives: Counter = field(default_factory=Counter)         # every Python-level collective
+    other_collectives: Counter = field(default_factory=Counter)   # those not synchronizing gradients
     late_no_sync: list = field(default_factory=list)          # (how, path, line)
     checksums: dict = field(default_factory=dict)             # optimizer step -> checksum
     windows: list = field(default_factory=list)
@@ -157,6 +158,8 @@ def summarize(record: RankRecord) -> RankSummary:
             if role == "hook":
                 continue  # issued by a DDP comm hook: counted with its bucket
             s.collectives[name] += 1
+            if role != "grad":
+                s.other_collectives[name] += 1
             if role == "grad":
                 window.grad_allreduces += 1
                 window.grad_bytes += n_bytes

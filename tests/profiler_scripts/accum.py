@@ -88,9 +88,10 @@ def train(rank, world_size, args):
             time.sleep(args.sleep)
         if boundary:
             opt.step()  # OPTIMIZER-STEP
-            opt.zero_grad()
             if averager is not None:
+                # Local SGD: every rank stepped on its own gradients; average the parameters every 2 steps.
                 averager.average_parameters(ddp.parameters())
+            opt.zero_grad()
             step = (i + 1) // args.accum
             if args.raise_after and step == args.raise_after and rank == args.raise_rank:
                 raise RuntimeError(f"rank {rank} fails on purpose after {step} optimizer steps")
