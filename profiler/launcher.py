@@ -128,13 +128,7 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     session = uuid.uuid4().hex[:12]
     env = child_env(out_dir, session)
 
-    sampler = None
-    if opts.sample_path:
-        from synccheck.profiler.sample import Sampler
-        sampler = Sampler(opts.sample_path, opts.sample_format, opts.sample_rate)
-        command = sampler.wrap(opts.command)
-    else:
-        command = opts.command
+    command = opts.command
 
     started = time.time()
     try:
@@ -148,6 +142,11 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     except OSError as exc:
         raise UsageError(f"cannot run {command[0]}: {exc.strerror or exc}", 126) from None
 
+    sampler = None
+    if opts.sample_path:
+        from synccheck.profiler.sample import Sampler
+        sampler = Sampler(opts.sample_path, opts.sample_format, opts.sample_rate)
+        sampler.start(child.pid)
     result = RunResult(exit_code=0, session=session, out_dir=out_dir, started=started, ended=started)
     received: list[int] = []
 
