@@ -93,3 +93,16 @@ def test_sample_without_py_spy_says_so_and_keeps_profiling(tmp_path):
     assert proc.returncode == 5
     assert "py-spy is not installed" in proc.stderr and "Traceback" not in proc.stderr
     assert json.loads(report.read_text())["exit_code"] == 5
+
+
+@needs_py_spy
+def test_sample_of_a_non_python_command_keeps_its_exit_code(tmp_path):
+    report = tmp_path / "r.json"
+    proc = __import__("subprocess").run(
+        T.synccheck_cmd("profile", "--json", str(report), "--sample", str(tmp_path / "p.json"), "--",
+                        "sh", "-c", "sleep 0.5; exit 6"),
+        capture_output=True, text=True, env=T.base_env(), timeout=90)
+    assert proc.returncode == 6
+    assert "--sample: no profile written" in proc.stderr and "Traceback" not in proc.stderr
+    data = json.loads(report.read_text())
+    assert data["exit_code"] == 6 and data["sample"]["error"]
