@@ -16,6 +16,10 @@ from synccheck import __version__
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "lint": ("synccheck.analyzer.cli", "lint_main", "check scripts for gradient-sync misuse (static, never runs them)"),
     "rule": ("synccheck.analyzer.cli", "rule_main", "print a rule's documentation (`synccheck rule SC101`, `--all`)"),
+    "profile": ("synccheck.profiler.cli", "profile_main",
+                "run a training command and count gradient all-reduces per optimizer step in every rank"),
+    "report": ("synccheck.profiler.cli", "report_main",
+               "merge the per-rank records of `synccheck profile --out DIR` (several nodes) and report"),
 }
 
 USAGE = """usage: synccheck <command> [options]
