@@ -231,6 +231,9 @@ class ModuleModel:
         self.accumulate_calls: list[tuple[cst.Call, Optional[str]]] = []
         # optimizers whose zero_grad() is a no-op off the boundary (accelerate, DeepSpeed)
         self.managed_optimizers: set[str] = set()
+        # synccheck.runtime objects: GradientAccumulator key -> its model; models under LocalSGD
+        self.accumulators: dict[str, Optional[str]] = {}
+        self.local_sgd_models: set[str] = set()
         # optimizer -> the model whose parameters it was built on (two models, two step schedules)
         self.optimizer_model: dict[str, str] = {}
         # loops over epochs: ``for epoch in ...`` or a loop holding another loop
@@ -550,6 +553,14 @@ class ModuleModel:
             if kind == "fsdp2" and value.args:
                 self._add_wrapped(self.scoped(dotted(value.args[0].value), class_name), kind, value, conds)
             return
+        if last_part(q) in ("GradientAccumulator", "LocalSGD") and (q.startswith("synccheck") or "." not in q):
+            # synccheck's own fix: sync handled by the object (accumulate()) or off by design (local SGD)
+            model_key = self.scoped(dotted(value.args[0].value), class_name) if value.args else None
+            if last_part(q) == "LocalSGD" and model_key:
+                self.local_sgd_models.add(model_key.split(":", 1)[-1])
+            elif len(keys) == 1 and keys[0]:
+                self.accumulators[keys[0]] = model_key
+            return
         if q in ACCELERATOR_CLASSES or q in FABRIC_CLASSES:
             if len(keys) == 1 and keys[0]:
                 kw = {a.keyword.value: a.value for a in value.args if a.keyword is not None}
@@ -773,6 +784,10 @@ class ModuleModel:
         if isinstance(func, cst.Attribute):
             attr = func.attr.value
             obj_key = self.resolve(func.value, ctx)
+            if attr == "backward" and obj_key in self.accumulators:
+                # GradientAccumulator.backward divides by the window and runs the backward itself
+                return [Event("backward", call, via="accumulator.backward",
+                              arg=call.args[0].value if call.args else None)]
             if attr == "backward":
                 engine = None
                 via = "loss.backward"

@@ -492,6 +492,9 @@ class Walker:
             if attr == "no_sync":
                 key = self._key(args[0].value, path) if args else owner
                 return [(path, Control(key, "off", with_node, m.code(expr).strip()))]
+            if attr == "accumulate" and owner in m.accumulators:
+                # synccheck.runtime.GradientAccumulator: syncs exactly at the boundary
+                return [(path, Control(m.accumulators[owner], "managed", with_node, m.code(expr).strip()))]
             if attr == "accumulate" and m.framework_kind(owner) == "accelerate":
                 key = self._key(args[0].value, path) if args else None
                 return [(path, Control(key, "managed", with_node, m.code(expr).strip()))]
@@ -597,6 +600,8 @@ class Walker:
         return None
 
     def sync_state(self, key: str, path: Path) -> SyncState:
+        if bare(key) in self.model.local_sgd_models:
+            return SyncState("managed", None, "LocalSGD")     # gradient sync off by design
         # A control names its model as written where it stands (a helper's parameter, say); forwards
         # are resolved to where the model was made. Their bare names are what can be compared.
         mine = [c for c in path.controls if c.model is None or bare(c.model) == bare(key)]
