@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Optional, Tuple
 
 CALL = re.compile(r"(?<![\w.])(?:self\.|cls\.)?(\w+)\s*\(")
 
@@ -138,16 +137,17 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                if id(node) not in keep and node.body and _first_line(node.body[0]) > _header_end(node) \
-                        and own_lines(node.body[0]):
-                    blank(_first_line(node.body[0]), node.end_lineno, node.body[0].col_offset)
+                if id(node) not in keep and own_lines(node):
+                    blank(_first_line(node), node.end_lineno, node.col_offset)   # decorators and all
                 continue
             if isinstance(node, ast.ClassDef):
                 visit(node.body)
                 continue
-            if node.end_lineno - node.lineno + 1 <= SHORT or not own_lines(node):
+            if not own_lines(node) or any(w in segment(node) for w in words):
                 continue
-            if not any(w in segment(node) for w in words):
+            # Short assignments are a script's state (``accum = 4``); long statements, and bare
+            # expressions (``register(...)``, docstrings) that mention nothing relevant, are not.
+            if isinstance(node, (ast.Expr, ast.Pass)) or node.end_lineno - node.lineno + 1 > SHORT:
                 blank(_first_line(node), node.end_lineno, node.col_offset)
 
     visit(tree.body)
@@ -191,16 +191,3 @@ def _ifs(body):
 def _loop_reaches(loop, lines, words, reaches) -> bool:
     text = "".join(lines[loop.lineno - 1:loop.end_lineno])
     return any(w in text for w in words) or bool(set(CALL.findall(text)) & reaches)
-
-
-def _header_end(node) -> int:
-    """The line the ``def ...:`` header ends on (the body starts after it, unless on the same line)."""
-    ends = [node.lineno]
-    for part in (node.args, node.returns):
-        if part is not None and getattr(part, "end_lineno", None):
-            ends.append(part.end_lineno)
-    for arg in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
-        ends.append(arg.end_lineno or node.lineno)
-    for default in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]:
-        ends.append(default.end_lineno or node.lineno)
-    return max(ends)

@@ -130,7 +130,7 @@ def _counting_comm_hook(st: _ModelState, bucket):
     bucket holds the summed-by-nobody local gradients, scaled by 1/world_size (the reducer multiplies by
     1/div_factor while copying into the bucket; with a hook it only copies), then all-reduced with SUM.
     Same operations in the same order, so the weights match a run without the profiler bit for bit."""
-    global _in_comm_hook, _comm_hook_collectives
+    global _in_comm_hook
     t0 = R.now_us()
     if st.user_hook is None:
         buf = bucket.buffer()
