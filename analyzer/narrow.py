@@ -64,29 +64,26 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     for d in all_defs:
         by_name.setdefault(d.name, []).append(d)
 
+    def reaching(names: set) -> set:
+        """``names`` and the functions that call one of them, transitively."""
+        grown = True
+        while grown:
+            grown = False
+            for d in all_defs:
+                if d.name not in names and calls[id(d)] & names:
+                    names.add(d.name)
+                    grown = True
+        return names
+
     # functions that run a loop anchor, themselves or through what they call
-    reaches = {d.name for d in all_defs if any(w in texts[id(d)] for w in loop_anchors)}
-    grown = True
-    while grown:
-        grown = False
-        for d in all_defs:
-            if d.name not in reaches and calls[id(d)] & reaches:
-                reaches.add(d.name)
-                grown = True
+    reaches = reaching({d.name for d in all_defs if any(w in texts[id(d)] for w in loop_anchors)})
     seeds = {id(d) for d in all_defs
              if any(w in texts[id(d)] for w in anchors)
              or (loop_anchors and any(w in texts[id(d)] for w in ("for ", "while "))
                  and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d.body)))}
     for test_pattern, body_pattern in branch_anchors:
         test_re, body_re = re.compile(test_pattern), re.compile(body_pattern)
-        runs = {d.name for d in all_defs if body_re.search(texts[id(d)])}
-        grown = True
-        while grown:
-            grown = False
-            for d in all_defs:
-                if d.name not in runs and calls[id(d)] & runs:
-                    runs.add(d.name)
-                    grown = True
+        runs = reaching({d.name for d in all_defs if body_re.search(texts[id(d)])})
         for d in all_defs:
             if id(d) in seeds or not test_re.search(texts[id(d)]):
                 continue

@@ -3,20 +3,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-BAD_LOOP = textwrap.dedent("""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(model)
-    for i, (x, y) in enumerate(loader):
-        loss = model(x).sum() / 4
-        loss.backward()
-        if (i + 1) % 4 == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-""")
+from lintlib import BAD_LOOP
+
 
 
 def run(*args, cwd=None):
@@ -36,7 +27,7 @@ def test_findings_exit_1_and_json_shape(tmp_path):
     assert set(f) == {"code", "name", "severity", "path", "line", "column", "end_line", "end_column",
                       "message", "fix"}
     assert (f["code"], f["name"], f["severity"], f["line"], f["column"]) == (
-        "SC101", "sync-every-microstep", "warning", 6, 5)
+        "SC101", "sync-every-microstep", "warning", 5, 5)
     assert f["path"].endswith("train.py") and "no_sync" in f["fix"]
 
 
@@ -50,7 +41,7 @@ def test_full_format_shows_source_and_fix(tmp_path):
     (tmp_path / "train.py").write_text(BAD_LOOP)
     proc = run("lint", str(tmp_path / "train.py"))
     assert proc.returncode == 1
-    assert "train.py:6:5: SC101" in proc.stdout
+    assert "train.py:5:5: SC101" in proc.stdout
     assert "loss.backward()" in proc.stdout and "^^^^" in proc.stdout
     assert "fix:" in proc.stdout and "Found 1 problem" in proc.stdout
 

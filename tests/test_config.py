@@ -8,16 +8,8 @@ import textwrap
 
 import pytest
 
-BAD_LOOP = textwrap.dedent("""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(model)
-    for i, (x, y) in enumerate(loader):
-        loss = model(x).sum() / 4
-        loss.backward()
-        if (i + 1) % 4 == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-""")
+from lintlib import BAD_LOOP
+
 
 
 def run(*args, cwd):

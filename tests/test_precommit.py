@@ -8,23 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
+from lintlib import BAD_LOOP
+
 ROOT = Path(__file__).resolve().parents[1]
-BAD = textwrap.dedent("""\
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(model)
-    for i, (x, y) in enumerate(loader):
-        loss = model(x).sum() / 4
-        loss.backward()
-        if (i + 1) % 4 == 0:
-            optimizer.step()
-            optimizer.zero_grad()
-""")
-GOOD = BAD.replace("    loss = model(x).sum() / 4\n    loss.backward()\n",
+GOOD = BAD_LOOP.replace("    loss = model(x).sum() / 4\n    loss.backward()\n",
                    "    with model.no_sync() if (i + 1) % 4 else nullcontext():\n"
                    "        loss = model(x).sum() / 4\n        loss.backward()\n")
 # what pip says when it cannot reach an index; anything else is a real failure
@@ -55,7 +46,7 @@ def hook_repo(tmp_path_factory):
     assert _git("init", "-q", cwd=repo, env=env).returncode == 0
     (repo / ".pre-commit-config.yaml").write_text(
         f"repos:\n- repo: {ROOT}\n  rev: {head.stdout.strip()}\n  hooks:\n  - id: synccheck\n")
-    (repo / "bad.py").write_text(BAD)
+    (repo / "bad.py").write_text(BAD_LOOP)
     (repo / "good.py").write_text(GOOD)
     assert _git("add", ".", cwd=repo, env=env).returncode == 0
     install = subprocess.run([sys.executable, "-m", "pre_commit", "install-hooks"], cwd=repo, env=env,
