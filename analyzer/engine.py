@@ -11,7 +11,7 @@ from typing import Iterable, Optional, Sequence
 from synccheck.analyzer.files import discover
 from synccheck.analyzer.ftypes import Finding, LintResult
 from synccheck.analyzer.rules import ALL_RULES, BY_CODE
-from synccheck.analyzer.source import read_source
+from synccheck.analyzer.source import decode_source, read_bytes
 from synccheck.analyzer.suppress import ALL, SUPPRESS, SUPPRESS_FILE, file_ignores, ignored, suppressed
 
 __all__ = ["check_source", "lint", "select_rules", "wanted_rules", "SUPPRESS", "SUPPRESS_FILE"]
@@ -158,6 +158,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     """
     rules = list(ALL_RULES) if rules is None else list(rules)
     codes = tuple(r.code for r in rules)
+    gates = tuple({g.encode() for r in rules for g in r.gate()})
     files = discover(paths, is_excluded)
     result = LintResult(files=len(files))
     cache = None
@@ -175,26 +176,30 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
                 result.cached += 1
                 continue
         notebook = None
-        if path.endswith(".ipynb"):
-            from synccheck.analyzer.notebook import read_notebook
-            notebook, error = read_notebook(path)
-            text = notebook.text if notebook is not None else None
-        else:
-            text, error = read_source(path)
-        key = None
-        if cache is not None:
-            try:
-                with open(path, "rb") as fh:
-                    key = content_key(fh.read())
-            except OSError:
-                key = None
-            hit = cache.get(path, key) if key else None
+        data, error = read_bytes(path)
+        key = content_key(data) if (cache is not None and data is not None) else None
+        if key is not None:
+            hit = cache.get(path, key)
             if hit is not None:
                 result.findings.extend(hit[0])
                 result.errors.extend(hit[1])
                 result.cached += 1
                 cache.put(path, key, *hit)
                 continue
+        if data is not None and not path.endswith(".ipynb") and not any(g in data for g in gates) \
+                and b"\0" not in data[:8192]:
+            # no rule can fire: not even decoded (most files of a code base end here)
+            if key is not None:
+                cache.put(path, key, [], [])
+            continue
+        if data is None:
+            text = None
+        elif path.endswith(".ipynb"):
+            from synccheck.analyzer.notebook import read_notebook
+            notebook, error = read_notebook(path)
+            text = notebook.text if notebook is not None else None
+        else:
+            text, error = decode_source(path, data)
         if error is not None:
             result.errors.append(error)
             if cache is not None and key:

@@ -10,14 +10,18 @@ from synccheck.analyzer.ftypes import FileError
 
 
 def read_source(path: str) -> Tuple[Optional[str], Optional[FileError]]:
+    data, error = read_bytes(path)
+    return (None, error) if data is None else decode_source(path, data)
+
+
+def read_bytes(path: str) -> Tuple[Optional[bytes], Optional[FileError]]:
     try:
         with open(path, "rb") as fh:
-            data = fh.read()
+            return fh.read(), None
     except OSError as exc:
         if os.path.islink(path) and not os.path.exists(path):
             return None, FileError(path, f"broken symbolic link (to {os.readlink(path)})")
         return None, FileError(path, f"cannot read: {exc.strerror or exc}")
-    return decode_source(path, data)
 
 
 def decode_source(path: str, data: bytes) -> Tuple[Optional[str], Optional[FileError]]:

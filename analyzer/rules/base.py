@@ -36,6 +36,12 @@ class Rule:
         raise NotImplementedError
 
     @classmethod
+    def gate(cls) -> tuple:
+        """Words of which a file must hold at least one for ``wants`` to be true: checked on the raw
+        bytes, before a file is even decoded."""
+        return cls.requires[:1] if cls.requires else cls.words
+
+    @classmethod
     def wants(cls, text: str) -> bool:
         return all(w in text for w in cls.requires) and (not cls.words or any(w in text for w in cls.words))
 

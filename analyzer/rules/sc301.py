@@ -24,6 +24,10 @@ class CollectiveInRankBranch(Rule):
     branch_anchors = ((RANK_TEST_TEXT, COLLECTIVE_TEXT),)
 
     @classmethod
+    def gate(cls) -> tuple:
+        return FRAMEWORKS
+
+    @classmethod
     def wants(cls, text: str) -> bool:
         # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
         return any(f in text for f in FRAMEWORKS) and bool(RANK_TEST.search(text)) and \
