@@ -42,7 +42,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_ranks(script: str, tmp_path: Path, world_size: int = 2, timeout: float = 90) -> list[dict]:
+def run_ranks(script: str, tmp_path: Path, world_size: int = 2, timeout: float = 180) -> list[dict]:
     """Run ``script`` as ``world_size`` gloo ranks and return each rank's saved result."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(_free_port())
@@ -111,6 +111,7 @@ def token_reference(accumulate_runs) -> dict[str, torch.Tensor]:
         ("ddp_total", 1),  # one DDP bucket
         ("ddp_iterate", 1),
         ("ddp_grad_scaler", 1),
+        ("fsdp1_total", 1),  # one flat parameter
         ("fsdp2_total", 2),  # one reduce-scatter per fully_shard-ed Linear
     ],
 )

@@ -1,8 +1,9 @@
-"""Rank worker: GradientAccumulator on DDP and FSDP2 over gloo, counting the real gradient collectives.
+"""Rank worker: GradientAccumulator on DDP, FSDP1 and FSDP2 over gloo, counting the gradient collectives.
 
 Each scenario trains on this rank's micro-batches of ``make_data`` and records which micro-steps
-communicated gradients (a DDP comm hook, or FSDP2's reduce-scatter, wrapped in a counter), the
-``sync_gradients`` flags and the final full parameters.
+communicated gradients (a counting DDP comm hook, a counting FSDP2 reduce-scatter, or FSDP1's
+``dist.reduce_scatter_single`` wrapped in a counter), the ``sync_gradients`` flags and the final
+full parameters.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
@@ -54,6 +55,23 @@ def counting_fsdp2() -> tuple[torch.nn.Module, Counter]:
         if isinstance(module, FSDPModule):
             module.set_custom_reduce_scatter(CountingReduceScatter())
     return model, counter
+
+
+def train_fsdp1(data: dict[str, torch.Tensor], rank: int) -> dict:
+    counter = Counter()
+    model = FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"), use_orig_params=True)
+    # FSDP1's post-backward reduce-scatters each flat gradient through this function.
+    reduce_scatter = dist.reduce_scatter_single
+
+    def counting_reduce_scatter(*args, **kwargs):
+        counter.calls += 1
+        return reduce_scatter(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting_reduce_scatter
+    try:
+        return train(model, counter, data, rank)
+    finally:
+        dist.reduce_scatter_single = reduce_scatter
 
 
 def train(
@@ -98,6 +116,9 @@ def train(
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model):
+            return {name: tensor.detach().clone() for name, tensor in model.module.state_dict().items()}
     module = model.module if isinstance(model, DistributedDataParallel) else model
     state = {}
     for name, tensor in module.state_dict().items():
@@ -117,6 +138,7 @@ def main(rank: int, world_size: int) -> dict:
             *counting_ddp(), data, rank, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12)
         ),
         "ddp_static_graph": lambda: train(*counting_ddp(static_graph=True), data, rank),
+        "fsdp1_total": lambda: train_fsdp1(data, rank),
         "fsdp2_total": lambda: train(*counting_fsdp2(), data, rank),
         "fsdp2_token_weighted": lambda: train(*counting_fsdp2(), data, rank, token_weighted=True),
     }
