@@ -97,7 +97,7 @@ class LocalSGD:
         return self._optimizer_steps
 
     def step(self) -> bool:
-        """Count one optimizer step; average parameters when it ends a period. True if it averaged.
+        """Count one optimizer step; average parameters when it ends a period (then return True).
 
         Every rank must call it once per optimizer step, also when ``GradScaler`` skipped the step:
         under local SGD gradients are local, so ranks can skip different steps, and the averaging
