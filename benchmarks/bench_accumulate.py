@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds = json.loads(out.read_text())
     print(table(args, seconds, bookkeeping_overhead(args.micro_steps)))
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "seconds": seconds}, indent=1))
+        raw = {"args": {name: str(value) for name, value in vars(args).items()}, "seconds": seconds}
+        args.json.write_text(json.dumps(raw, indent=1))
     return 0
 
 

@@ -38,7 +38,7 @@ class SyncSwitch:
 
     def __init__(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"expected a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = unwrap_compiled(model)
         self._fsdp2_modules: list[FSDPModule] = []
         if isinstance(self.model, DistributedDataParallel):

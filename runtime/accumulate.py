@@ -120,12 +120,15 @@ class GradientAccumulator:
             self._micro_step = 0
             self._next_is_last_of_data = False
 
-    def backward(self, loss: torch.Tensor, *, num_items: int | float | torch.Tensor | None = None, **kwargs: Any) -> None:
+    def backward(
+        self, loss: torch.Tensor, *, num_items: int | float | torch.Tensor | None = None, **kwargs: Any
+    ) -> None:
         """Backward of one micro-step's loss, normalized over the window.
 
         ``acc.backward(loss)``: ``loss`` is a mean over the micro-batch; it is divided by the real
         number of micro-steps in the window, so the window's gradient is the mean of its micro-steps
-        (DDP/FSDP then average over ranks): exactly one large batch, short last window included.
+        (DDP/FSDP then average over ranks): exactly one large batch when micro-batches are equally
+        large, short last window included. When they are not (a short last batch, padding), use:
 
         ``acc.backward(loss_sum, num_items=n)``: ``loss_sum`` is a *sum* over ``n`` items (tokens,
         say). The window's gradient becomes the sum over all its items on all ranks divided by their

@@ -69,17 +69,21 @@ class LocalSGD:
             raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
         self._switch = SyncSwitch(model)
         if self._switch.kind in ("fsdp", "fsdp2"):
-            raise TypeError("LocalSGD needs DDP or a plain module: FSDP shards parameters, so no rank holds a model to step alone")
+            raise TypeError(
+                "LocalSGD needs DDP or a plain module: FSDP shards parameters, so no rank has a model to step alone"
+            )
         if self._switch.kind == "local" and warmup:
             raise ValueError("warmup needs a DDP model: a plain module has no gradient all-reduce to keep on")
         if self._switch.static_graph and not warmup:
-            raise ValueError("DDP(static_graph=True) must sync its first iteration (pytorch#143580): pass warmup >= 1")
+            raise ValueError(
+                "DDP(static_graph=True) must sync its first iteration (pytorch#143580): pass warmup >= 1"
+            )
         self.every = every
         self.warmup = warmup
         self.optimizer = optimizer
         self._group = process_group
         if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = self._switch.gradient_group or dist.group.WORLD
+            self._group = self._switch.gradient_group if self._switch.kind == "ddp" else dist.group.WORLD
         self._optimizer_steps = 0
         if self._switch.kind == "local":
             # DDP's constructor broadcasts rank 0's parameters; a plain module gets the same guarantee

@@ -51,7 +51,7 @@ def run_ranks(script: str, tmp_path: Path, world_size: int = 2, timeout: float =
         log = open(tmp_path / f"rank{rank}.log", "w+")
         logs.append(log)
         command = [sys.executable, str(WORKERS / script), str(rank), str(world_size), port, str(tmp_path)]
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=WORKERS))
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
         for process in processes:
             process.wait(timeout=timeout)
@@ -158,10 +158,10 @@ def test_reference_tells_real_window_division_from_fixed_n(accumulate_runs, refe
 
 def _one_process_micro_batches(data: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
     """Micro-step i sees what both ranks saw at micro-step i, so the same reference applies."""
-    return [
-        (data["x"][:, i].reshape(-1, common.FEATURES), data["y"][:, i].reshape(-1, 1), data["mask"][:, i].reshape(-1))
-        for i in range(common.MICRO_STEPS)
-    ]
+    x = data["x"].transpose(0, 1).reshape(common.MICRO_STEPS, -1, common.FEATURES)
+    y = data["y"].transpose(0, 1).reshape(common.MICRO_STEPS, -1, 1)
+    mask = data["mask"].transpose(0, 1).reshape(common.MICRO_STEPS, -1)
+    return list(zip(x, y, mask))
 
 
 @pytest.mark.parametrize("mode", ["total", "iterate", "token_weighted"])
@@ -171,7 +171,8 @@ def test_plain_module_in_one_process_equals_large_batch(mode):
     model = common.make_model()
     optimizer = common.make_optimizer(model.parameters())
     micro_batches = _one_process_micro_batches(data)
-    acc = GradientAccumulator(model, steps=common.STEPS, total=None if mode == "iterate" else len(micro_batches))
+    total = None if mode == "iterate" else len(micro_batches)
+    acc = GradientAccumulator(model, steps=common.STEPS, total=total)
     loop = acc.iterate(iter(micro_batches)) if mode == "iterate" else micro_batches
     boundaries = []
     for x, y, mask in loop:

@@ -42,7 +42,7 @@ def make_regression_data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def train(rank: int, world_size: int, *, mode: str, every: int = EVERY, warmup: int = 0, steps: int = STEPS) -> dict:
+def train(rank: int, world_size: int, *, mode: str, warmup: int = 0, steps: int = STEPS) -> dict:
     """mode: "sync" (plain DDP), "local_sgd" (DDP + LocalSGD) or "plain" (no DDP, LocalSGD)."""
     x, y = make_regression_data(world_size)
     model = make_regression_model()
@@ -66,7 +66,7 @@ def train(rank: int, world_size: int, *, mode: str, every: int = EVERY, warmup: 
 
     dist.all_reduce = counting_all_reduce
     try:
-        local_sgd = LocalSGD(model, optimizer, every=every, warmup=warmup) if mode != "sync" else None
+        local_sgd = LocalSGD(model, optimizer, every=EVERY, warmup=warmup) if mode != "sync" else None
         construction_all_reduces = all_reduce_calls.calls
         record: dict[str, list] = {"grad_allreduces": [], "all_reduce_calls": [], "averaged": [], "state": []}
         for step in range(steps):
