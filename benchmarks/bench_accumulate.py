@@ -13,10 +13,12 @@ Modes, each stepping the optimizer every ``--micro-steps`` micro-batches:
 
 The model is a stack of wide ``Linear`` layers fed ``--rows`` rows, so communication dominates
 compute, as on GPUs joined by PCIe or Ethernet (seeds 001, 004). Modes run interleaved, in a
-rotating order, for ``--rounds`` rounds after one untimed round; the table shows the median, min and
-max over the rounds and the ratios of medians and of minimums (on a shared machine, other load only
-ever adds time, so the minimums are the steadier estimate). A last line measures what the
-accumulator's own bookkeeping costs per micro-step, on a module too small to time.
+rotating order, for ``--rounds`` rounds after one untimed round. The table shows wall-clock seconds
+per optimizer step (median, min, max over the rounds) and rank 0's CPU seconds (process time: all
+threads, user and system, so gloo's copies and socket calls count). On a shared machine other load
+inflates wall time, never the work a rank does, so the CPU column is the steadier one there. A last
+line measures what the accumulator's own bookkeeping costs per micro-step, on a module too small to
+time.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-steps", type=int, default=4, help="micro-steps per optimizer step, N (default 4)")
     parser.add_argument("--every", type=int, default=4, help="LocalSGD: optimizer steps per averaging, K (default 4)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per timed run (default 4)")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds of all modes (default 10)")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds of all modes (default 20)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--json", type=Path, help="also write the raw timings here")
     return parser.parse_args(argv)
@@ -138,16 +140,21 @@ def worker(rank: int, args: argparse.Namespace, out: Path) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     runners = make_runners(args, rank)
-    seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+    # Wall time is what training takes; the rank's CPU time (all its threads, user and system, so
+    # gloo's copies and socket calls count) is the work it did, which other load on a shared
+    # machine does not inflate the way it inflates wall time.
+    seconds: dict[str, dict[str, list[float]]] = {kind: {mode: [] for mode in MODES} for kind in ("wall", "cpu")}
     for round_index in range(args.rounds + 1):  # round 0 is untimed: DDP rebuilds buckets, caches warm
         shift = round_index % len(MODES)
         for mode in MODES[shift:] + MODES[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             runners[mode]()
+            cpu = time.process_time() - cpu_start
             dist.barrier()
             if round_index:
-                seconds[mode].append((time.perf_counter() - start) / args.steps)
+                seconds["wall"][mode].append((time.perf_counter() - start) / args.steps)
+                seconds["cpu"][mode].append(cpu / args.steps)
     if rank == 0:
         out.write_text(json.dumps(seconds))
     dist.barrier()
@@ -185,30 +192,37 @@ def bookkeeping_overhead(micro_steps: int, chunks: int = 40, repeats: int = 250)
     return best[accumulated] - best[bare]
 
 
-def table(args: argparse.Namespace, seconds: dict[str, list[float]], overhead: float) -> str:
+def table(args: argparse.Namespace, seconds: dict[str, dict[str, list[float]]], overhead: float) -> str:
     parameters = args.layers * (args.width * args.width + args.width)
-    median = {mode: statistics.median(values) for mode, values in seconds.items()}
-    minimum = {mode: min(values) for mode, values in seconds.items()}
+    wall, cpu = seconds["wall"], seconds["cpu"]
+    columns = {  # name -> seconds per optimizer step for each mode
+        "wall median": {mode: statistics.median(wall[mode]) for mode in MODES},
+        "wall min": {mode: min(wall[mode]) for mode in MODES},
+        "wall max": {mode: max(wall[mode]) for mode in MODES},
+        "CPU median": {mode: statistics.median(cpu[mode]) for mode in MODES},
+    }
     lines = [
         f"2 ranks, gloo, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.threads} thread(s) per rank",
         f"model: {args.layers} x Linear({args.width}, {args.width}) = {parameters / 1e6:.1f} M params "
         f"({parameters * 4 / 2**20:.0f} MiB fp32), {args.rows} row(s) per micro-batch",
         f"N = {args.micro_steps} micro-steps per optimizer step, LocalSGD K = {args.every}, "
         f"{args.steps} steps per run, {args.rounds} interleaved rounds",
+        "CPU = rank 0's process time (all threads, user + system)",
         "",
-        f"{'seconds per optimizer step':<44}{'median':>10}{'min':>10}{'max':>10}",
+        f"{'seconds per optimizer step':<44}" + "".join(f"{name:>13}" for name in columns),
     ]
     for mode in MODES:
-        lines.append(f"{mode:<44}{median[mode]:>10.4f}{minimum[mode]:>10.4f}{max(seconds[mode]):>10.4f}")
-    lines += ["", f"{'ratio':<44}{'medians':>10}{'mins':>10}"]
+        lines.append(f"{mode:<44}" + "".join(f"{column[mode]:>13.4f}" for column in columns.values()))
+    ratio_columns = ["wall median", "wall min", "CPU median"]
+    lines += ["", f"{'ratio':<44}" + "".join(f"{name:>13}" for name in ratio_columns)]
     for top, bottom in [
         ("GradientAccumulator", "hand-written no_sync"),
         ("sync every micro-step", "GradientAccumulator"),
         ("GradientAccumulator", "LocalSGD"),
     ]:
-        label = f"{top} / {bottom}"
-        lines.append(f"{label:<44}{median[top] / median[bottom]:>10.3f}{minimum[top] / minimum[bottom]:>10.3f}")
-    share = overhead * args.micro_steps / minimum["hand-written no_sync"]
+        ratios = [columns[name][top] / columns[name][bottom] for name in ratio_columns]
+        lines.append(f"{top + ' / ' + bottom:<44}" + "".join(f"{ratio:>13.3f}" for ratio in ratios))
+    share = overhead * args.micro_steps / columns["wall min"]["hand-written no_sync"]
     lines += [
         "",
         f"GradientAccumulator bookkeeping: {overhead * 1e6:.1f} us per micro-step "
