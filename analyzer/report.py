@@ -133,6 +133,15 @@ def to_json(result: LintResult) -> dict:
             "errors": [e.to_json() for e in result.errors]}
 
 
+def _artifact(path: str) -> dict:
+    """Relative to the checkout (what code scanning matches against), or an absolute file URI."""
+    rel = os.path.relpath(os.path.abspath(path))
+    if not rel.startswith(".."):
+        return {"uri": rel.replace(os.sep, "/"), "uriBaseId": "%SRCROOT%"}
+    from pathlib import Path
+    return {"uri": Path(path).resolve().as_uri()}
+
+
 def to_sarif(result: LintResult) -> dict:
     from synccheck.analyzer.rules import ALL_RULES
 
@@ -153,8 +162,7 @@ def to_sarif(result: LintResult) -> dict:
             "level": "error" if f.severity == "error" else "warning",
             "message": {"text": f"{f.message}. Fix: {f.fix}" if f.fix else f.message},
             "locations": [{"physicalLocation": {
-                "artifactLocation": {"uri": f.path.replace(os.sep, "/").lstrip("./") or f.path,
-                                     "uriBaseId": "%SRCROOT%"},
+                "artifactLocation": _artifact(f.path),
                 "region": {"startLine": f.line, "startColumn": f.column,
                            "endLine": f.end_line, "endColumn": f.end_column},
             }}],
