@@ -106,10 +106,12 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     anchors = tuple(sorted({w for r in active for w in r.anchors}))
     loop_anchors = tuple(sorted({w for r in active for w in r.loop_anchors}))
     branch_anchors = tuple(sorted({pair for r in active for pair in r.branch_anchors}))
-    narrowed, tree, error = narrow(text, anchors, loop_anchors, branch_anchors)
+    narrowed, tree, error, line_map = narrow(text, anchors, loop_anchors, branch_anchors)
     module = None
     if narrowed is not None:
         module, error = parse(narrowed)
+        if error is not None and line_map:
+            error = (line_map[min(error[0], len(line_map)) - 1],) + tuple(error[1:])
     if module is None:
         if any(r.code == "SC000" for r in rules):
             line, column, message = error
@@ -122,10 +124,11 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     ctx = RuleContext(ModuleModel(module, path, source=narrowed), path)
     for rule in active:
         rule().check(ctx)
-    return suppressed(text, _positioned(ctx.model, None if measure_whole_file else tree, path, ctx.raw), tree)
+    positioned = _positioned(ctx.model, None if measure_whole_file else tree, path, ctx.raw, line_map)
+    return suppressed(text, positioned, tree)
 
 
-def _positioned(model, tree, path: str, raw: list) -> list:
+def _positioned(model, tree, path: str, raw: list, line_map=None) -> list:
     """Positions for reported nodes only.
 
     libcst's PositionProvider re-generates the code it measures (~10x the cost of the parse), so it
@@ -137,7 +140,7 @@ def _positioned(model, tree, path: str, raw: list) -> list:
     from synccheck.analyzer.positions import locate
 
     out: dict = {}
-    for (rule, node, message, fix), pos in zip(raw, locate(model, tree, [r[1] for r in raw])):
+    for (rule, node, message, fix), pos in zip(raw, locate(model, tree, [r[1] for r in raw], line_map)):
         if pos is None:
             continue
         (line, column), (end_line, end_column) = pos

@@ -11,8 +11,9 @@ syntax errors in CPython's own words -- and keep only:
 * module- and class-level statements that are short or mention such a word (a script's body);
 * imports.
 
-Everything else is replaced, line for line, by ``...`` and blank lines: the narrowed text has the same
-line numbers and columns as the original, so findings point at the user's real lines.
+Everything else is replaced by ``...``, and the lines it took are dropped (libcst turns every blank
+line into an object, so keeping them cost as much as the code). Kept lines keep their columns; a line
+map gives each narrowed line's number in the original, so findings point at the user's real lines.
 """
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ SHORT = 3   # module-level statements up to this many lines are kept: a script's
 
 
 def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anchors: tuple = ()):
-    """(narrowed text, ast tree, None) or (None, None, (line, column, message)) for a syntax error.
+    """(narrowed text, ast tree, None, line map) or (None, None, (line, column, message), None).
+
+    The line map lists, for each line of the narrowed text, its 1-based number in ``text`` (None when
+    nothing was dropped).
 
     ``loop_anchors``: words that matter only inside a loop (``backward``: an accumulation loop), or in
     a function such a loop calls. ``anchors``: words that matter anywhere. ``branch_anchors``: pairs
@@ -44,12 +48,12 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     try:
         tree = ast.parse(text)
     except SyntaxError as err:
-        return None, None, (err.lineno or 1, max(err.offset or 1, 1), err.msg or "invalid syntax")
+        return None, None, (err.lineno or 1, max(err.offset or 1, 1), err.msg or "invalid syntax"), None
     except (ValueError, RecursionError, MemoryError) as exc:
-        return None, None, (1, 1, str(exc) or type(exc).__name__)
+        return None, None, (1, 1, str(exc) or type(exc).__name__), None
     lines = text.splitlines(keepends=True)
     if len(lines) < 200:
-        return text, tree, None       # small files: narrowing costs more than it saves
+        return text, tree, None, None       # small files: narrowing costs more than it saves
 
     def segment(node) -> str:
         return "".join(lines[_first_line(node) - 1:node.end_lineno])
@@ -117,11 +121,14 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     words = tuple(anchors) + tuple(loop_anchors) + facts
     out = list(lines)
 
+    placeholders: dict = {}     # line index of a ``...`` -> its column
+
     def blank(first: int, last: int, col: int) -> None:
-        """Lines first..last (1-based) become ``...`` at ``col`` and blank lines."""
+        """Lines first..last (1-based) become one ``...`` at ``col``; the others are dropped."""
         out[first - 1] = " " * col + "...\n"
+        placeholders[first - 1] = col
         for i in range(first, last):
-            out[i] = "\n"
+            out[i] = None
 
     def own_lines(node) -> bool:
         """The statement starts its first line and ends its last: safe to replace whole lines."""
@@ -148,7 +155,21 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
                 blank(_first_line(node), node.end_lineno, node.col_offset)
 
     visit(tree.body)
-    return "".join(out), tree, None
+    # Siblings dropped one after another need one ``...`` between them, not one each with blank lines.
+    previous = None
+    for i, line in enumerate(out):
+        if line is None:
+            continue
+        if i in placeholders:
+            if previous is not None and placeholders[previous] == placeholders[i]:
+                for j in range(previous + 1, i + 1):
+                    out[j] = None
+                continue
+            previous = i
+        elif line.strip():
+            previous = None
+    line_map = [i + 1 for i, line in enumerate(out) if line is not None]
+    return "".join(line for line in out if line is not None), tree, None, line_map
 
 
 def _defs(body):

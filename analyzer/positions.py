@@ -13,8 +13,10 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
 
-def locate(model, tree: Optional[ast.Module], nodes: list) -> list:
-    """[((line, column), (end_line, end_column)) | None] for each node."""
+def locate(model, tree: Optional[ast.Module], nodes: list, line_map: Optional[list] = None) -> list:
+    """[((line, column), (end_line, end_column)) | None] for each node.
+
+    ``line_map``: the original line of each line of the (narrowed) parsed text, for the slow path."""
     twins = _twins(model, tree) if tree is not None else {}
     cache: dict = {}
     whole = None
@@ -39,7 +41,10 @@ def locate(model, tree: Optional[ast.Module], nodes: list) -> list:
                 whole = MetadataWrapper(model.module, unsafe_skip_copy=True).resolve(PositionProvider)
             rel = whole.get(node)
             if rel is not None:
-                pos = ((rel.start.line, rel.start.column + 1), (rel.end.line, rel.end.column + 1))
+                def original(n: int) -> int:
+                    return line_map[min(n, len(line_map)) - 1] if line_map else n
+                pos = ((original(rel.start.line), rel.start.column + 1),
+                       (original(rel.end.line), rel.end.column + 1))
         out.append(pos)
     return out
 

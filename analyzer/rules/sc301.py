@@ -6,6 +6,8 @@ RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process
                   r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
                   r"is_local_process_zero|main_process)(?!\w)")
 RANK_TEST = re.compile(RANK_TEST_TEXT)
+RANK_WORDS = ("rank", "main_process", "is_master", "global_zero", "process_zero")
+CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.")
 
 
 FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
@@ -30,8 +32,10 @@ class CollectiveInRankBranch(Rule):
     @classmethod
     def wants(cls, text: str) -> bool:
         # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
-        return any(f in text for f in FRAMEWORKS) and bool(RANK_TEST.search(text)) and \
-            bool(COLLECTIVE_CALL.search(text))
+        # substring tests first: the regexes are slow over a large file
+        return any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS) and \
+            any(p in text for p in CALL_PREFIXES) and bool(COLLECTIVE_CALL.search(text)) and \
+            bool(RANK_TEST.search(text))
     what = """
         Finds a collective (`dist.barrier()`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
         `gather`, `accelerator.wait_for_everyone()`, ...) that runs only inside an `if rank == 0:`
