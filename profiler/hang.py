@@ -82,11 +82,13 @@ def dump_stack(py_spy: str, pid: int) -> dict:
     except OSError as exc:
         return {"error": "error", "message": f"cannot run py-spy: {exc.strerror or exc}"}
     if proc.returncode != 0:
-        message = (proc.stderr or proc.stdout).strip().splitlines()
-        text = message[-1] if message else f"py-spy exited with {proc.returncode}"
+        # py-spy's first line says what failed; "Caused by:" details and a Rust backtrace (RUST_BACKTRACE) follow.
+        lines = [line.strip() for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+        text = lines[0] if lines else f"py-spy exited with {proc.returncode}"
         kind = _classify_dump_error(proc.stderr + proc.stdout)
-        if kind != "ptrace" and not os.path.exists(f"/proc/{pid}"):
-            kind = "exited"
+        # A worker that died while being dumped may still be a zombie (not reaped yet): /proc/PID exists.
+        if kind == "exited" or (kind != "ptrace" and not _any_alive({pid})):
+            return {"error": "exited", "message": f"exited while being dumped (py-spy: {text})"}
         return {"error": kind, "message": text}
     try:
         threads = json.loads(proc.stdout)
@@ -269,6 +271,11 @@ def _short(path: str | None) -> str:
 
 def _describe(entry: dict) -> str:
     rank = entry["rank"]
+    if entry.get("error") == "exited":
+        # Where the records last saw it, if they did; the dump itself has nothing to show.
+        last = (f", last recorded in {entry['collective']} at {_short(entry.get('path'))}:{entry.get('line')}"
+                if entry.get("collective") else "")
+        return f"rank {rank} exited while being dumped (pid {entry.get('pid')}){last}"
     if entry.get("error") and not entry.get("collective"):
         return f"rank {rank}: {entry.get('message', entry['error'])}"
     where = f" at {_short(entry.get('path'))}:{entry.get('line')}" if entry.get("path") else ""
