@@ -184,7 +184,8 @@ class HangWatch:
             else:
                 entry.update(result)
             ranks.append(entry)
-        if ranks and all(r.get("error") == "ptrace" for r in ranks if r.get("error") != "not-here"):
+        local = [r for r in ranks if r.get("error") != "not-here"]
+        if local and all(r.get("error") == "ptrace" for r in local):
             self._say(f"no rank made progress for {stalled:.0f}s, but py-spy may not attach (ptrace refused: "
                       "run as root, or set /proc/sys/kernel/yama/ptrace_scope to 0); "
                       f"{from_records or 'still profiling'}")
