@@ -21,8 +21,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--width", type=int, default=1024, help="hidden width: 2 layers of width^2 weights")
-    parser.add_argument("--batch", type=int, default=2, help="rows per micro-batch")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width: one width x width layer (16 MB at 2048)")
+    parser.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
     parser.add_argument("--every", type=int, default=4, help="local SGD: average parameters every K steps")
     return parser.parse_args()
 
