@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -176,8 +177,16 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)$")
+
+
+def _failure_reason(stderr: str) -> str:
+    """The workers' own exception line (`RuntimeError: ...`), else the last line of output."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    for line in lines:
+        match = _EXCEPTION_LINE.match(line)
+        if match and "ChildFailedError" not in line:
+            return match.group(1)[:300]
     return lines[-1][:300] if lines else "no output"
 
 
@@ -195,7 +204,7 @@ def run_variant(row: Row, script: Path, args, tmp: str) -> None:
         row.error = f"timed out after {VARIANT_TIMEOUT_S} s"
         return
     if result is None:
-        row.error = f"exit code {returncode}, no result line: {_last_line(err or out)}"
+        row.error = f"exit code {returncode}: {_failure_reason(err or out)}"
         return
     if returncode != 0:
         # torch 2.13's gloo can abort in interpreter teardown after a clean run; the result was printed.
@@ -210,7 +219,7 @@ def run_variant(row: Row, script: Path, args, tmp: str) -> None:
     try:
         report = json.loads(report_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        row.error = f"no profiler report ({type(exc).__name__}): {_last_line(err)}"
+        row.error = f"no profiler report ({type(exc).__name__}): {_failure_reason(err)}"
         return
     ranks = report.get("ranks") or []
     rank0 = next((r for r in ranks if r.get("rank") == 0), None)
@@ -221,6 +230,9 @@ def run_variant(row: Row, script: Path, args, tmp: str) -> None:
     row.allreduce_mb_per_optimizer_step = rank0.get("grad_allreduce_bytes", 0) / rank0["optimizer_steps"] / 1e6
     row.param_averages = rank0.get("param_averages", 0)
     row.profile_codes = sorted({f["code"] for f in report.get("findings") or []})
+    if row.variant == "local_sgd" and args.steps <= EVERY:
+        row.notes.append(f"with --steps {args.steps} the first parameter averaging comes after the last optimizer "
+                         f"step, where the profiler has stopped recording: pass --steps {EVERY + 1} or more")
 
 
 def _fmt(value, spec: str) -> str:
@@ -250,7 +262,7 @@ def render_table(rows: list[Row], args, console) -> None:
             Text(", ".join(row.lint_codes) or "clean", style=codes_style),
         ]
         if row.error:
-            cells += [Text(f"failed: {row.error}", style="red"), "", "", "", ""]
+            cells += [Text("failed", style="red"), "-", "-", "-", "-"]
             table.add_row(*cells)
             continue
         cells += [
@@ -272,6 +284,8 @@ def render_table(rows: list[Row], args, console) -> None:
             console.print(f"local_sgd all-reduces no gradients: it averages the parameters every {EVERY} "
                           "optimizer steps instead (seed 001's K-batch synchronous SGD).",
                           style="dim", highlight=False)
+        if row.error:
+            console.print(f"{row.variant} failed: {row.error}", style="red", highlight=False)
         for note in row.notes:
             console.print(f"note: {row.variant}: {note}", style="yellow", highlight=False)
         if row.ranks_agree is False:
