@@ -1,6 +1,6 @@
 """Every synccheck benchmark in one run, summarised as one markdown table.
 
-    python benchmarks/run.py --quick                 # about 2 minutes on 2 CPU cores
+    python benchmarks/run.py --quick                 # about a minute on 2 CPU cores
     python benchmarks/run.py --out benchmarks.md     # the full runs: several minutes
     python benchmarks/run.py --only lint,accumulate  # a subset
 
@@ -169,7 +169,7 @@ def markdown(results: list[dict], command: str, started: str, machine_line: str)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="benchmarks: " + ", ".join(BENCHMARKS))
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and rounds: about 2 minutes")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and rounds: about a minute")
     parser.add_argument("--only", metavar="NAMES", help="comma-separated subset of: " + ", ".join(BENCHMARKS))
     parser.add_argument("--out", metavar="FILE", help="also write the markdown here")
     args = parser.parse_args(argv)
