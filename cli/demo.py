@@ -74,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", dest="json_path", help="also write the rows as a JSON list")
     p.add_argument("--ranks", type=_positive, default=2, metavar="N", help="gloo ranks per variant (default 2)")
-    p.add_argument("--steps", type=_positive, default=12, metavar="N",
-                   help="optimizer steps per variant (default 12; the first 2 are warm-up and not timed)")
+    p.add_argument("--steps", type=_positive, default=16, metavar="N",
+                   help="optimizer steps per variant (default 16; the first 2 are warm-up and not timed)")
     p.add_argument("--width", type=_positive, default=2048, metavar="W",
                    help="hidden width of the model: one W x W layer, 16 MB of gradients at 2048 (default)")
     p.add_argument("--where", action="store_true", help="print the folder of the example scripts and exit")
@@ -93,6 +93,7 @@ class Row:
     seconds_per_optimizer_step: float | None = None
     speedup: float | None = None
     param_averages: int | None = None
+    final_loss: float | None = None
     ranks_agree: bool | None = None
     error: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -107,6 +108,7 @@ class Row:
             "seconds_per_optimizer_step": self.seconds_per_optimizer_step,
             "speedup": self.speedup,
             "param_averages": self.param_averages,
+            "final_loss": self.final_loss,
             "ranks_agree": self.ranks_agree,
             "error": self.error,
             "notes": self.notes,
@@ -216,6 +218,11 @@ def run_variant(row: Row, script: Path, args, tmp: str) -> None:
     else:
         row.notes.append("too few optimizer steps to time (the first 2 are warm-up): pass --steps 3 or more")
     row.ranks_agree = result.get("ranks_agree")
+    loss = result.get("final_loss")
+    if isinstance(loss, (int, float)):
+        row.final_loss = float(loss) if math.isfinite(loss) else None
+        if not math.isfinite(loss):
+            row.notes.append(f"the training diverged (final loss {loss}); try a smaller --width")
     try:
         report = json.loads(report_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -277,8 +284,9 @@ def render_table(rows: list[Row], args, console) -> None:
     console.print(table)
     console.print("lint: `synccheck lint` on the script; profile: `synccheck profile`'s verdict on the run; "
                   "synced/step: micro-steps whose backward all-reduced gradients, per optimizer step (ideal 1); "
-                  "MB/step: gradient bytes all-reduced per optimizer step; s/step: mean seconds per optimizer "
-                  "step after 2 warm-up steps; speedup: against baseline.", style="dim", highlight=False)
+                  "MB/step: gradient bytes all-reduced per optimizer step; s/step: seconds per optimizer step, the "
+                  f"fastest run of {EVERY} consecutive steps after 2 warm-up steps (other load on the machine only "
+                  "adds time); speedup: against baseline.", style="dim", highlight=False)
     for row in rows:
         if row.variant == "local_sgd" and not row.error:
             console.print(f"local_sgd all-reduces no gradients: it averages the parameters every {EVERY} "
