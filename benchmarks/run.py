@@ -85,15 +85,16 @@ def run_benchmark(name: str, quick: bool, tmp: str) -> dict:
 
 
 def lint_rows(data: dict) -> list[tuple[str, str, str]]:
-    corpus = f"torch package, {data['files']:,} files, {data['lines']:,} lines"
+    corpus = f"{os.path.basename(data['path'].rstrip(os.sep))}, {data['files']:,} files, {data['lines']:,} lines"
     rows = []
     for row in data["rows"]:
+        speed = data["files"] / row["wall_s"]
         rows.append((f"lint speed ({corpus})", row["tool"],
-                     f"{row['wall_s']:.2f} s wall, {row['cpu_s']:.2f} s CPU, {data['files'] / row['wall_s']:,.0f} "
-                     f"files/s, {row['peak_mb']:.0f} MB peak"))
+                     (f"{row['wall_s']:.2f} s wall, {row['cpu_s']:.2f} s CPU, {speed:,.0f} files/s, "
+                      f"{row['peak_mb']:.0f} MB peak")))
     if not data.get("ruff"):
-        rows.append((f"lint speed ({corpus})", "ruff (baseline)", "not measured: ruff is not installed "
-                     "(`pip install ruff`)"))
+        rows.append((f"lint speed ({corpus})", "ruff (baseline)",
+                     "not measured: ruff is not installed (`pip install ruff`)"))
     one = data["one_file"]
     rows.append(("lint start-up", "synccheck on one 400-line file that needs no parse",
                  f"{one['wall_s']:.3f} s wall"))

@@ -199,9 +199,11 @@ def run_variant(row: Row, script: Path, args, tmp: str) -> None:
     for line in out.splitlines():
         if line.startswith(RESULT_PREFIX):
             try:
-                result = json.loads(line[len(RESULT_PREFIX):])
+                parsed = json.loads(line[len(RESULT_PREFIX):])
             except ValueError:
-                pass
+                continue
+            if isinstance(parsed, dict):
+                result = parsed
     if returncode is None:
         row.error = f"timed out after {VARIANT_TIMEOUT_S} s"
         return
