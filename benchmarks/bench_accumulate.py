@@ -241,9 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(tmp) / "seconds.json"
         mp.spawn(worker, args=(args, out), nprocs=2)
         seconds = json.loads(out.read_text())
-    print(table(args, seconds, bookkeeping_overhead(args.micro_steps)))
+    overhead = bookkeeping_overhead(args.micro_steps)
+    print(table(args, seconds, overhead))
     if args.json:
-        raw = {"args": {name: str(value) for name, value in vars(args).items()}, "seconds": seconds}
+        raw = {"args": {name: str(value) for name, value in vars(args).items()}, "seconds": seconds,
+               "bookkeeping_s_per_micro_step": overhead}
         args.json.write_text(json.dumps(raw, indent=1))
     return 0
 

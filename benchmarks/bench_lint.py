@@ -2,7 +2,8 @@
 
     python benchmarks/bench_lint.py [--path DIR] [--repeat 3]
 
-Prints a markdown table: files, lines, seconds (median wall, and CPU), files/s, peak memory. synccheck is
+Prints a markdown table: files, lines, seconds (median wall, and CPU), files/s, peak memory (each command's
+own, its worker processes included: `wait4`). synccheck is
 timed cold (no cache), warm (cache filled by the cold run) and on one file that needs no parse; ruff
 (`ruff check --isolated --no-cache`) is the baseline. Not a test: numbers depend on the machine.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -39,24 +41,26 @@ def count(path: str) -> tuple:
 
 
 def timed(cmd: list, repeat: int, env=None, setup=None) -> tuple:
-    """(median wall seconds, median CPU seconds, peak RSS MB) over ``repeat`` runs."""
+    """(median wall seconds, median CPU seconds, peak RSS MB) over ``repeat`` runs.
+
+    CPU and peak memory are the command's own (``wait4`` on its process), not the maximum over every
+    child this benchmark has started so far.
+    """
     walls, cpus, peak = [], [], 0.0
     for _ in range(repeat):
         if setup:
             setup()
-        before = os.times()
         start = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+        stderr = proc.stderr.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.stderr.close()
         walls.append(time.perf_counter() - start)
-        after = os.times()
-        cpus.append((after.children_user - before.children_user) + (after.children_system - before.children_system))
+        cpus.append(usage.ru_utime + usage.ru_stime)
+        peak = max(peak, usage.ru_maxrss / 1024)
         if proc.returncode not in (0, 1):
-            sys.exit(f"bench_lint: {' '.join(cmd)} failed: {proc.stderr.decode()[-500:]}")
-    try:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    except ImportError:
-        pass
+            sys.exit(f"bench_lint: {' '.join(cmd)} failed: {stderr.decode()[-500:]}")
     return statistics.median(walls), statistics.median(cpus), peak
 
 
@@ -64,6 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--path", default=None, help="folder to lint (default: the installed torch package)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON (for benchmarks/run.py)")
     args = parser.parse_args()
     path = args.path or torch_dir()
     files, lines = count(path)
@@ -102,6 +107,13 @@ def main() -> int:
     for name, wall, cpu, peak in rows:
         print(f"| {name} | {files} | {lines:,} | {wall:.2f} | {cpu:.2f} | {files / wall:,.0f} | {peak:.0f} |")
     print(f"| synccheck, one file needing no parse | 1 | 400 | {wall1:.3f} | {cpu1:.3f} | - | {peak1:.0f} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"path": path, "files": files, "lines": lines, "repeat": args.repeat,
+                       "ruff": bool(os.path.exists(ruff)),
+                       "rows": [{"tool": name, "wall_s": wall, "cpu_s": cpu, "peak_mb": peak}
+                                for name, wall, cpu, peak in rows],
+                       "one_file": {"wall_s": wall1, "cpu_s": cpu1, "peak_mb": peak1}}, fh, indent=1)
     return 0
 
 

@@ -131,11 +131,12 @@ def main() -> None:
     p.add_argument("--block-steps", type=int, default=5, help="in-job A/B: steps per block")
     p.add_argument("--no-in-job-check", dest="in_job_check", action="store_false",
                    help="skip the in-job A/B comparison printed after the interleaved pairs")
+    p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON (for benchmarks/run.py)")
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-    ratios = []
+    ratios, pairs = [], []
     with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
         for pair in range(args.pairs):
             order = (False, True) if pair % 2 == 0 else (True, False)
@@ -144,19 +145,27 @@ def main() -> None:
                 result[profiled] = run_job(args, profiled, out_root)["step_time"]
             ratio = result[True] / result[False]
             ratios.append(ratio)
+            pairs.append({"plain_s": result[False], "profiled_s": result[True], "ratio": ratio})
             print(f"pair {pair + 1}/{args.pairs}: plain {result[False] * 1e3:.2f} ms/step, "
                   f"profiled {result[True] * 1e3:.2f} ms/step, ratio {ratio:.4f}", flush=True)
     median = statistics.median(ratios)
     print(f"median step-time ratio profiled/plain over {args.pairs} interleaved pairs: {median:.4f} "
           f"(target <= 1.02: {'met' if median <= 1.02 else 'NOT met'})")
+    in_job = None
     if args.in_job_check:
         # Job-to-job variation on a shared 2-core machine is often larger than 2%; the same comparison
         # inside one job (alternating blocks of steps) isolates the hooks' own cost.
         with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
             r = run_job(args, True, out_root, in_job=True)
+        in_job = {"blocks": args.blocks, "block_steps": args.block_steps, "plain_s": r["plain"],
+                  "profiled_s": r["profiled"], "ratio": r["profiled"] / r["plain"]}
         print(f"in-job A/B ({args.blocks} blocks of {args.block_steps} steps each): plain "
               f"{r['plain'] * 1e3:.2f} ms/step, profiled {r['profiled'] * 1e3:.2f} ms/step, "
               f"ratio {r['profiled'] / r['plain']:.4f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"steps": args.steps, "width": args.width, "pairs": pairs, "median_ratio": median,
+                       "in_job": in_job}, fh, indent=1)
 
 
 if __name__ == "__main__":

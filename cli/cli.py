@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                 "run a training command and count gradient all-reduces per optimizer step in every rank"),
     "report": ("synccheck.profiler.cli", "report_main",
                "merge the per-rank records of `synccheck profile --out DIR` (several nodes) and report"),
+    "demo": ("synccheck.demo", "demo_main",
+             "run the bundled examples (seeds 000/001/004) linted, profiled and timed on this machine"),
 }
 
 USAGE = """usage: synccheck <command> [options]

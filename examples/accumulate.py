@@ -13,7 +13,7 @@ from common import Clock, finish, make_model, micro_batches, parse_args, setup
 args = parse_args()
 rank, world = setup()
 model = DDP(make_model(args))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 batches = micro_batches(args, rank)
 acc = GradientAccumulator(model, steps=args.accum, total=len(batches))
 clock = Clock()

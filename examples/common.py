@@ -21,8 +21,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--accum", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--width", type=int, default=1024, help="hidden width: 2 layers of width^2 weights")
-    parser.add_argument("--batch", type=int, default=2, help="rows per micro-batch")
+    parser.add_argument("--width", type=int, default=2048, help="hidden width: one width x width layer (16 MB at 2048)")
+    parser.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
     parser.add_argument("--every", type=int, default=4, help="local SGD: average parameters every K steps")
     return parser.parse_args()
 
@@ -53,19 +53,27 @@ def micro_batches(args, rank: int) -> list:
 
 
 class Clock:
-    """Seconds per optimizer step, the first steps excluded (DDP rebuilds its buckets after step 1)."""
+    """Seconds per optimizer step: the fastest run of ``window`` consecutive steps after the warm-up.
 
-    def __init__(self, warmup: int = 2) -> None:
-        self.warmup, self.steps, self.start = warmup, 0, None
+    The first ``warmup`` steps are left out (DDP rebuilds its buckets after step 1). On a shared machine
+    other load only ever adds time, in bursts, so the fastest window is the steadiest estimate of what
+    the loop itself costs; a window of K steps (local SGD's averaging period) holds exactly one
+    averaging, so a periodic cost is counted in full.
+    """
+
+    def __init__(self, warmup: int = 2, window: int = 4) -> None:
+        self.warmup, self.window, self.steps, self.times = warmup, window, 0, []
 
     def step(self) -> None:
         self.steps += 1
-        if self.steps == self.warmup:
-            self.start = time.perf_counter()
+        if self.steps >= self.warmup:
+            self.times.append(time.perf_counter())
 
     def seconds_per_step(self) -> float:
-        counted = self.steps - self.warmup
-        return (time.perf_counter() - self.start) / counted if self.start and counted > 0 else float("nan")
+        t, n = self.times, min(self.window, len(self.times) - 1)
+        if n < 1:
+            return float("nan")
+        return min(t[i + n] - t[i] for i in range(len(t) - n)) / n
 
 
 def finish(model: nn.Module, clock: Clock, loss: torch.Tensor) -> None:

@@ -13,9 +13,9 @@ from common import Clock, finish, make_model, micro_batches, parse_args, setup
 args = parse_args()
 rank, world = setup()
 model = DDP(make_model(args))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 local_sgd = LocalSGD(model, optimizer, every=args.every)
-clock = Clock()
+clock = Clock(window=args.every)      # each timed window holds one averaging
 for i, (x, y) in enumerate(micro_batches(args, rank)):
     loss = torch.nn.functional.mse_loss(model(x), y) / args.accum
     loss.backward()                         # local gradients only: LocalSGD holds DDP's sync off

@@ -11,7 +11,7 @@ from common import Clock, finish, make_model, micro_batches, parse_args, setup
 args = parse_args()
 rank, world = setup()
 model = DDP(make_model(args))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 clock = Clock()
 for i, (x, y) in enumerate(micro_batches(args, rank)):
     loss = torch.nn.functional.mse_loss(model(x), y) / args.accum
