@@ -9,8 +9,8 @@ class SyncEveryMicrostep(Rule):
     name = "sync-every-microstep"
     severity = "warning"
     summary = "Gradient accumulation all-reduces on every micro-step, not once per optimizer step"
-    requires = ("backward(", "step(")
-    loop_anchors = ("backward(",)
+    requires = (".backward(", "step(")
+    loop_anchors = (".backward(",)
     words = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", ".prepare(", "prepare_model",
              "Fabric", "fabric.setup", "no_sync", "require_backward_grad_sync")
     what = """

@@ -6,8 +6,8 @@ class NoSyncMissesForward(Rule):
     name = "no-sync-misses-forward"
     severity = "warning"
     summary = "A DDP sync control covers the backward but not the forward, so it does nothing"
-    requires = ("backward(",)
-    loop_anchors = ("backward(",)
+    requires = (".backward(",)
+    loop_anchors = (".backward(",)
     words = ("no_sync", "require_backward_grad_sync", "no_backward_sync")
     what = """
         Finds `model.no_sync()` (or `accelerator.no_sync(model)`) wrapped around `backward()` while

@@ -9,8 +9,8 @@ class UnsyncedStep(Rule):
     name = "unsynced-step"
     severity = "error"
     summary = "The optimizer can step on gradients that were never all-reduced: ranks diverge"
-    requires = ("backward(", "step(")
-    loop_anchors = ("backward(",)
+    requires = (".backward(", "step(")
+    loop_anchors = (".backward(",)
     words = ("no_sync", "require_backward_grad_sync", "no_backward_sync", "set_requires_gradient_sync")
     what = """
         Finds accumulation loops where the micro-step right before `optimizer.step()` runs with

@@ -6,8 +6,8 @@ class StaticGraphNoSync(Rule):
     name = "static-graph-no-sync"
     severity = "error"
     summary = "DDP(static_graph=True) with no_sync on the very first iteration fails an internal assert"
-    requires = ("static_graph", "backward(")
-    loop_anchors = ("backward(",)
+    requires = ("static_graph", ".backward(")
+    loop_anchors = (".backward(",)
     what = """
         Finds `DistributedDataParallel(..., static_graph=True)` models whose very first micro-step can
         run with gradient sync off (`no_sync()`, or `require_backward_grad_sync = False`).

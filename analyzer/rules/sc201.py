@@ -6,8 +6,8 @@ class ZeroGradEveryMicrostep(Rule):
     name = "zero-grad-every-microstep"
     severity = "error"
     summary = "zero_grad() runs on every micro-step, wiping the gradients being accumulated"
-    requires = ("backward(", "zero_grad", "step(")
-    loop_anchors = ("backward(",)
+    requires = (".backward(", "zero_grad", "step(")
+    loop_anchors = (".backward(",)
     what = """
         Finds accumulation loops (the optimizer steps every N micro-steps) where `zero_grad()` runs
         on every micro-step, not only at the boundary. Not reported for optimizers prepared by

@@ -6,8 +6,8 @@ class UnscaledAccumulatedLoss(Rule):
     name = "unscaled-accumulated-loss"
     severity = "warning"
     summary = "Accumulated loss is not divided by the number of micro-steps"
-    requires = ("backward(", "step(")
-    loop_anchors = ("backward(",)
+    requires = (".backward(", "step(")
+    loop_anchors = (".backward(",)
     what = """
         Finds plain-PyTorch accumulation loops whose loss reaches `backward()` without being divided
         (or multiplied) on the way. Not reported for `accelerator.backward` (Accelerate divides by

@@ -17,6 +17,34 @@ COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric)\.(barrier|mo
 COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT)
 
 
+RANK_IF = re.compile(r"^([ \t]*)(?:el)?if\b.*" + RANK_TEST_TEXT + r".*:[ \t]*(?:#.*)?$", re.M)
+DEFINED = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
+CALLED = re.compile(r"(?<![\w.])(?:self\.)?(\w+)\s*\(")
+
+
+def _rank_branch_calls(text: str) -> bool:
+    """Some ``if`` on the rank has, in its indented block (or its ``else``), a collective or a call of a
+    function this file defines: cheap text, so files without one are never parsed."""
+    defined = set(DEFINED.findall(text))
+    lines = text.splitlines()
+    starts, line, pos = {}, 0, 0
+    for m in RANK_IF.finditer(text):            # matches come in order: count newlines incrementally
+        line += text.count("\n", pos, m.start())
+        pos = m.start()
+        starts[line] = len(m.group(1).expandtabs())
+    for first, indent in starts.items():
+        block = []
+        for line in lines[first + 1:]:
+            stripped = line.strip()
+            if stripped and len(line) - len(line.lstrip()) <= indent and not stripped.startswith(("else", "elif")):
+                break
+            block.append(line)
+        body = "\n".join(block)
+        if COLLECTIVE_CALL.search(body) or set(CALLED.findall(body)) & defined:
+            return True
+    return False
+
+
 class CollectiveInRankBranch(Rule):
     code = "SC301"
     name = "collective-in-rank-branch"
@@ -33,9 +61,10 @@ class CollectiveInRankBranch(Rule):
     def wants(cls, text: str) -> bool:
         # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
         # substring tests first: the regexes are slow over a large file
-        return any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS) and \
-            any(p in text for p in CALL_PREFIXES) and bool(COLLECTIVE_CALL.search(text)) and \
-            bool(RANK_TEST.search(text))
+        if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
+                and any(p in text for p in CALL_PREFIXES) and COLLECTIVE_CALL.search(text)):
+            return False
+        return _rank_branch_calls(text)
     what = """
         Finds a collective (`dist.barrier()`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
         `gather`, `accelerator.wait_for_everyone()`, ...) that runs only inside an `if rank == 0:`
