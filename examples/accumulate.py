@@ -25,4 +25,4 @@ for x, y in batches:
         optimizer.step()
         optimizer.zero_grad()
         clock.step()
-finish(model, clock, loss)
+finish(model, clock)

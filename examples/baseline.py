@@ -20,4 +20,4 @@ for i, (x, y) in enumerate(micro_batches(args, rank)):
         optimizer.step()
         optimizer.zero_grad()
         clock.step()
-finish(model, clock, loss)
+finish(model, clock)

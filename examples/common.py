@@ -41,10 +41,14 @@ def make_model(args) -> nn.Module:
                          nn.Linear(args.width, 1))
 
 
+def _true_w() -> torch.Tensor:
+    return torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+
+
 def micro_batches(args, rank: int) -> list:
     """Each rank's micro-batches for the whole run (a regression task; different data per rank)."""
     gen = torch.Generator().manual_seed(1000 + rank)
-    true_w = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+    true_w = _true_w()
     out = []
     for _ in range(args.steps * args.accum):
         x = torch.randn(args.batch, 64, generator=gen)
@@ -76,7 +80,14 @@ class Clock:
         return min(t[i + n] - t[i] for i in range(len(t) - n)) / n
 
 
-def finish(model: nn.Module, clock: Clock, loss: torch.Tensor) -> None:
+def eval_loss(model: nn.Module) -> float:
+    """The loss on one fixed held-out batch: the same yardstick for every variant (the exact ones agree)."""
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(99))
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), x @ _true_w()))
+
+
+def finish(model: nn.Module, clock: Clock) -> None:
     """Print one JSON line from rank 0, check the replicas agree, and leave cleanly."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     checksum = torch.tensor([flat.double().sum().item()])
@@ -86,7 +97,7 @@ def finish(model: nn.Module, clock: Clock, loss: torch.Tensor) -> None:
         print("EXAMPLE_RESULT " + json.dumps({
             "seconds_per_optimizer_step": clock.seconds_per_step(),
             "optimizer_steps": clock.steps,
-            "final_loss": float(loss.detach()),
+            "final_loss": eval_loss(model),
             "ranks_agree": max(s.item() for s in sums) - min(s.item() for s in sums) < 1e-6,
         }), flush=True)
     dist.barrier()

@@ -25,4 +25,4 @@ for i, (x, y) in enumerate(micro_batches(args, rank)):
         optimizer.zero_grad()
         clock.step()
 local_sgd.average()                         # leave with one model, not world_size of them
-finish(model, clock, loss)
+finish(model, clock)
