@@ -37,8 +37,6 @@ class NotebookSource:
         return self.origin[index] if self.origin and self.origin[index] else (1, 1)
 
     def map_findings(self, findings: list) -> list:
-        from dataclasses import replace
-
         out = []
         for f in findings:
             cell, line = self.locate(f.line)
@@ -48,7 +46,7 @@ class NotebookSource:
                 own = self.cells.get(cell) or [""]
                 end_line = len(own)
                 end_column = len(own[-1]) + 1
-            out.append(replace(f, line=line, end_line=end_line, end_column=end_column, cell=cell))
+            out.append(f._replace(line=line, end_line=end_line, end_column=end_column, cell=cell))
         return out
 
 
