@@ -99,6 +99,14 @@ class Finding:
                 "path": self.path, "line": self.line}
 
 
+
+def _count_grad_allreduce(s, window, n_bytes: int) -> None:
+    """One gradient all-reduce (a DDP bucket or an FSDP/manual reduction), in the rank and its window."""
+    window.grad_allreduces += 1
+    window.grad_bytes += n_bytes
+    s.grad_allreduces += 1
+    s.grad_allreduce_bytes += n_bytes
+
 def summarize(record: RankRecord) -> RankSummary:
     meta = record.meta
     s = RankSummary(rank=record.rank, host=str(meta.get("host", "")), pid=record.pid,
@@ -147,10 +155,7 @@ def summarize(record: RankRecord) -> RankSummary:
         elif kind == R.BUCKET:
             _, t, dur, _model, n_bytes, communicated = ev[:6]
             if communicated:
-                window.grad_allreduces += 1
-                window.grad_bytes += n_bytes
-                s.grad_allreduces += 1
-                s.grad_allreduce_bytes += n_bytes
+                _count_grad_allreduce(s, window, n_bytes)
             if dur and dur > 0:
                 s.allreduce_time_s += dur / 1e6
         elif kind == R.COLLECTIVE:
@@ -161,10 +166,7 @@ def summarize(record: RankRecord) -> RankSummary:
             if role != "grad":
                 s.other_collectives[name] += 1
             if role == "grad":
-                window.grad_allreduces += 1
-                window.grad_bytes += n_bytes
-                s.grad_allreduces += 1
-                s.grad_allreduce_bytes += n_bytes
+                _count_grad_allreduce(s, window, n_bytes)
                 if dur and dur > 0:
                     s.allreduce_time_s += dur / 1e6
                 if open_fsdp_micro is not None:
