@@ -17,30 +17,52 @@ COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric)\.(barrier|mo
 COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT)
 
 
-RANK_IF = re.compile(r"^([ \t]*)(?:el)?if\b.*" + RANK_TEST_TEXT + r".*:[ \t]*(?:#.*)?$", re.M)
 DEFINED = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
 CALLED = re.compile(r"(?<![\w.])(?:self\.)?(\w+)\s*\(")
+
+
+def _rank_if_lines(text: str):
+    """(end offset, indentation) of each ``if``/``elif`` line that tests a rank. Found with str.find on
+    the rank words, not a regex over the whole file: this runs on every candidate file, unparsed."""
+    seen = set()
+    for word in RANK_WORDS:
+        start = text.find(word)
+        while start != -1:
+            line_start = text.rfind("\n", 0, start) + 1
+            line_end = text.find("\n", start)
+            line_end = len(text) if line_end == -1 else line_end
+            if line_start not in seen:
+                seen.add(line_start)
+                line = text[line_start:line_end]
+                code = line.split("#", 1)[0].rstrip()
+                stripped = code.lstrip()
+                if stripped.startswith(("if ", "if(", "elif ", "elif(")) and code.endswith(":") \
+                        and RANK_TEST.search(code):
+                    yield line_end, len(line) - len(line.lstrip())
+            start = text.find(word, line_end)
 
 
 def _rank_branch_calls(text: str) -> bool:
     """Some ``if`` on the rank has, in its indented block (or its ``else``), a collective or a call of a
     function this file defines: cheap text, so files without one are never parsed."""
-    defined = set(DEFINED.findall(text))
-    lines = text.splitlines()
-    starts, line, pos = {}, 0, 0
-    for m in RANK_IF.finditer(text):            # matches come in order: count newlines incrementally
-        line += text.count("\n", pos, m.start())
-        pos = m.start()
-        starts[line] = len(m.group(1).expandtabs())
-    for first, indent in starts.items():
+    defined = None
+    for pos, indent in _rank_if_lines(text):
         block = []
-        for line in lines[first + 1:]:
+        while pos < len(text):
+            end = text.find("\n", pos + 1)
+            end = len(text) if end == -1 else end
+            line = text[pos + 1:end]
             stripped = line.strip()
             if stripped and len(line) - len(line.lstrip()) <= indent and not stripped.startswith(("else", "elif")):
                 break
             block.append(line)
+            pos = end
         body = "\n".join(block)
-        if COLLECTIVE_CALL.search(body) or set(CALLED.findall(body)) & defined:
+        if COLLECTIVE_CALL.search(body):
+            return True
+        if defined is None:
+            defined = set(DEFINED.findall(text))
+        if set(CALLED.findall(body)) & defined:
             return True
     return False
 
