@@ -168,7 +168,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     if cache_dir is not None:
         from synccheck.analyzer.cache import Cache, content_key
         cache = Cache(cache_dir, codes)
-    # Stage 2 in this process: reading and the word filter are cheap; only survivors go to workers.
+    # Stage 2 in this process: reading, the cache and a one-word-per-rule gate on the raw bytes.
     todo = []
     for path in files:
         if cache is not None:
@@ -178,7 +178,6 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
                 result.errors.extend(hit[1])
                 result.cached += 1
                 continue
-        notebook = None
         data, error = read_bytes(path)
         key = content_key(data) if (cache is not None and data is not None) else None
         if key is not None:
@@ -196,42 +195,42 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
                 cache.put(path, key, [], [])
             continue
         if data is None:
-            text = None
-        elif path.endswith(".ipynb"):
+            result.errors.append(error)
+            continue
+        if path.endswith(".ipynb"):
             from synccheck.analyzer.notebook import read_notebook
             notebook, error = read_notebook(path)
-            text = notebook.text if notebook is not None else None
+            if error is not None:
+                result.errors.append(error)
+                if key is not None:
+                    cache.put(path, key, [], [error])
+                continue
+            todo.append((path, notebook.text, key, notebook))
         else:
-            text, error = decode_source(path, data)
-        if error is not None:
-            result.errors.append(error)
-            if cache is not None and key:
-                cache.put(path, key, [], [error])
-            continue
-        if wanted_rules(text, rules) and file_ignores(text) != ALL:
-            todo.append((path, text, key, notebook))
-        elif cache is not None and key:
-            cache.put(path, key, [], [])
-    result.parsed = len(todo)
+            # decoding and the rules' word checks run in the workers, beside the parse
+            todo.append((path, data, key, None))
     jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    # biggest files first, so one large file does not start last and finish alone
+    order = sorted(range(len(todo)), key=lambda i: -len(todo[i][1]))
+    work = [(todo[i][0], todo[i][1], codes) for i in order]
     if jobs > 1 and len(todo) >= POOL_MIN_FILES:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
         with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
-            # biggest files first, so one large file does not start last and finish alone
-            order = sorted(range(len(todo)), key=lambda i: -len(todo[i][1]))
-            outputs = pool.map(_check_file, [(todo[i][1], todo[i][0], codes) for i in order], chunksize=1)
-            found = dict(zip(order, outputs))
+            found = dict(zip(order, pool.map(_analyse, work, chunksize=1)))
     else:
-        found = {i: check_source(text, path, rules) for i, (path, text, _, _) in enumerate(todo)}
+        found = dict(zip(order, map(_analyse, work)))
     for i, (path, _, key, notebook) in enumerate(todo):
+        findings, errors, parsed = found[i]
         if notebook is not None:
-            found[i] = notebook.map_findings(found[i])
-        result.findings.extend(found[i])
+            findings = notebook.map_findings(findings)
+        result.findings.extend(findings)
+        result.errors.extend(errors)
+        result.parsed += parsed
         if cache is not None and key:
-            cache.put(path, key, found[i], [])
+            cache.put(path, key, findings, errors)
     if cache is not None:
         cache.save()
     result.findings = [f for f in result.findings if not ignored(f.code, ignored_codes(f.path))]
@@ -239,6 +238,16 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     return result
 
 
-def _check_file(args) -> list:
-    text, path, codes = args
-    return check_source(text, path, [BY_CODE[c] for c in codes])
+def _analyse(args) -> tuple:
+    """(findings, file errors, parsed?) for one file: raw bytes of a .py, or a notebook's joined text."""
+    path, payload, codes = args
+    rules = [BY_CODE[c] for c in codes]
+    if isinstance(payload, bytes):
+        text, error = decode_source(path, payload)
+        if error is not None:
+            return [], [error], False
+        if not wanted_rules(text, rules) or file_ignores(text) == ALL:
+            return [], [], False
+    else:
+        text = payload
+    return check_source(text, path, rules), [], True
