@@ -246,8 +246,10 @@ def _analyse(args) -> tuple:
         text, error = decode_source(path, payload)
         if error is not None:
             return [], [error], False
-        if not wanted_rules(text, rules) or file_ignores(text) == ALL:
+        active = wanted_rules(text, rules)
+        if not active or file_ignores(text) == ALL:
             return [], [], False
-    else:
-        text = payload
-    return check_source(text, path, rules), [], True
+        # the word checks are done: hand check_source the rules that passed (and SC000, if selected)
+        rules = [r for r in rules if r.code == "SC000"] + active
+        return check_source(text, path, rules, filtered=False), [], True
+    return check_source(payload, path, rules), [], True

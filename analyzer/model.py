@@ -251,6 +251,7 @@ class ModuleModel:
         self._collect_imports()
         self._collect_facts(module.body, None, ())
         self.functions: list[Function] = self._build_functions()
+        self.function_named: dict[str, Function] = {f.name: f for f in self.functions}
 
     # -- source text -------------------------------------------------------------------------------
     @property

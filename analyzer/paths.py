@@ -64,7 +64,6 @@ class Backward:
     flag_after_forward: Optional[cst.CSTNode] = None
     arg: Optional[cst.BaseExpression] = None
     env: dict = field(default_factory=dict)
-    manual_sync: bool = False      # gradients all-reduced by hand (or parameters averaged) after it
     candidates: list = field(default_factory=list)   # (forward, state, kind) of every forward it may be for
 
 
@@ -110,11 +109,6 @@ class Path:
     def backwards(self) -> list:
         return [r for r in self.records if isinstance(r, Backward)]
 
-    def is_boundary(self) -> bool:
-        """The optimizer steps after this micro-step's (last) backward."""
-        last_bwd = max((i for i, r in enumerate(self.records) if isinstance(r, Backward)), default=None)
-        return last_bwd is not None and any(isinstance(r, Step) for r in self.records[last_bwd + 1:])
-
     def steps_before_backward(self) -> bool:
         first_bwd = next((i for i, r in enumerate(self.records) if isinstance(r, Backward)), None)
         return first_bwd is not None and any(isinstance(r, Step) for r in self.records[:first_bwd])
@@ -130,11 +124,11 @@ class AccumulationLoop:
     paths: list
     gate_atoms: set
     controls: dict                 # model key -> list of (node, how): every sync control in the loop
-    step_nodes: list
     step_first: bool = False       # the step runs at the top of the next iteration
     too_complex: bool = False
     atom_text: dict = field(default_factory=dict)
     mod_forms: dict = field(default_factory=dict)
+    manual_sync: bool = False      # gradients all-reduced by hand (or parameters averaged) in the loop
 
     def first_micro_step_possible(self, path: "Path") -> bool:
         """Can this path be the loop's very first micro-step (counter 0, not the last one)?"""
@@ -157,8 +151,10 @@ class AccumulationLoop:
 
     def boundary_of(self, path: "Path", b: "Backward") -> bool:
         """The optimizer of b's model steps after b, before the next micro-step."""
-        idx = next(i for i, r in enumerate(path.records) if r is b)
-        return any(isinstance(r, Step) and self.steps_model(r, b.model) for r in path.records[idx + 1:])
+        return self.stepped_after(path, next(i for i, r in enumerate(path.records) if r is b), b.model)
+
+    def stepped_after(self, path: "Path", index: int, key: Optional[str]) -> bool:
+        return any(isinstance(r, Step) and self.steps_model(r, key) for r in path.records[index + 1:])
 
     def micro_steps(self, boundary: bool) -> list:
         return [p for p in self.paths if any(self.boundary_of(p, b) == boundary for b in p.backwards)]
@@ -181,7 +177,7 @@ class AccumulationLoop:
 
     def unsynced(self, b: "Backward") -> bool:
         """This backward leaves its gradients un-reduced."""
-        if b.manual_sync:
+        if self.manual_sync:
             return False
         if b.kind in FORWARD_DECIDES:
             return b.forward is not None and b.forward.state.value == "off"
@@ -551,13 +547,7 @@ class Walker:
             return None
         if name.startswith("self.") and self.function.class_name:
             name = f"{self.function.class_name}.{name[5:]}"
-        for fn in self._functions():
-            if fn.name == name:
-                return fn
-        return None
-
-    def _functions(self):
-        return self.model.functions
+        return self.model.function_named.get(name)
 
     def _helper_controls(self, helper: Function, call: cst.Call, path: Path, with_node, depth) -> list:
         """A same-file helper that returns (or yields inside) a sync control."""
@@ -860,28 +850,19 @@ def _walk(model: ModuleModel, function: Function, micro: Loop, container: list, 
     for n in walk_ir(scope):
         if isinstance(n, With) and any(_mentions_sync(model, item) for item in n.items):
             controls.setdefault(None, []).append(n.node)
-    step_nodes = [n.node for n in walk_ir(scope) if isinstance(n, Event) and n.kind == "step"]
     # conditions of the form (i + c) % n == 0 over the step's own i and n are as good as the gate
     gate = set(walker.gate_atoms) | {a for p in paths for a in p.lits if walker.related_to_gate(a)}
     # gradients all-reduced by hand (or parameters averaged) somewhere in the loop: intended, not SC103
     manual = any(isinstance(n, Event) and n.kind == "collective" and n.target in GRAD_SYNC for n in walk_ir(scope))
-    for p in paths:
-        for i, r in enumerate(p.records):
-            if isinstance(r, Backward):
-                r.manual_sync = manual
-    acc = AccumulationLoop(model, micro, function, nested, paths, gate, controls, step_nodes,
+    acc = AccumulationLoop(model, micro, function, nested, paths, gate, controls,
                            step_first=any(p.steps_before_backward() for p in paths),
                            too_complex=walker.exploded, atom_text=walker.atom_text,
-                           mod_forms=walker.mod_forms)
+                           mod_forms=walker.mod_forms, manual_sync=manual)
     for p in paths:
-        for r in p.records:
-            if isinstance(r, Backward) and len(r.candidates) > 1 and not acc.boundary_of(p, r):
+        for i, r in enumerate(p.records):
+            if isinstance(r, Backward) and len(r.candidates) > 1 and not acc.stepped_after(p, i, r.model):
                 for forward, state, kind in r.candidates:
-                    probe = Backward(forward.model, kind, forward, state, r.node, r.via)
-                    p.records[p.records.index(r)] = probe
-                    stepped = acc.boundary_of(p, probe)
-                    p.records[p.records.index(probe)] = r
-                    if stepped:
+                    if acc.stepped_after(p, i, forward.model):
                         r.model, r.kind, r.forward, r.state = forward.model, kind, forward, state
                         break
     return acc
