@@ -66,23 +66,27 @@ def worker(args) -> None:
     if args.in_job:
         # A/B inside one profiled job: model "profiled" is built with the hooks recording (counting comm
         # hook registered), model "plain" with the recorder switched off (plain DDP, wrappers pass
-        # through). Blocks of steps alternate between them, so machine drift hits both alike.
+        # through). Each round runs one step of each, in alternating order, and keeps the ratio of the
+        # two: the load of a shared machine drifts over tenths of a second, far slower than one round.
         from synccheck.profiler import hooks
         profiled = build()
         hooks.rec.active = False
         plain = build()
         hooks.rec.active = True
         times = {"profiled": [], "plain": []}
-        for block in range(2 * args.blocks + 2):
-            name = ("profiled", "plain")[(block + block // 2) % 2]
-            hooks.rec.active = name == "profiled"
-            model = profiled if name == "profiled" else plain
-            for k in range(args.block_steps):
-                t = step(*model)
-                if block >= 2:   # the first two blocks warm up both models
-                    times[name].append(t)
+        ratios = []
+        for rnd in range(args.warmup + args.rounds):
+            t = {}
+            for name in (("profiled", "plain") if rnd % 2 else ("plain", "profiled")):
+                hooks.rec.active = name == "profiled"
+                t[name] = step(*(profiled if name == "profiled" else plain))
+            if rnd >= args.warmup:
+                ratios.append(t["profiled"] / t["plain"])
+                for name in t:
+                    times[name].append(t[name])
         hooks.rec.active = True
-        result = {"profiled": statistics.median(times["profiled"]), "plain": statistics.median(times["plain"])}
+        result = {"profiled": statistics.median(times["profiled"]), "plain": statistics.median(times["plain"]),
+                  "ratio": statistics.median(ratios), "ci": _median_ci(ratios)}
     else:
         ddp, opt = build()
         times = []
@@ -98,12 +102,30 @@ def worker(args) -> None:
     os._exit(0)
 
 
+def _median_ci(values: list, level: float = 0.95) -> tuple:
+    """Distribution-free confidence interval of the median: order statistics around n/2 (binomial)."""
+    from math import comb
+    xs = sorted(values)
+    n = len(xs)
+    if n < 6:
+        return (xs[0], xs[-1])
+    # the widest k such that P(Binomial(n, 1/2) < k) <= (1 - level) / 2
+    tail, k = 0.0, 0
+    while True:
+        p = comb(n, k) / 2 ** n
+        if tail + p > (1 - level) / 2:
+            break
+        tail += p
+        k += 1
+    k = max(k, 1)
+    return (xs[k - 1], xs[n - k])
+
+
 def run_job(args, profiled: bool, out_root: str, in_job: bool = False) -> dict:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     job = [torchrun, "--standalone", "--nproc_per_node=2", str(HERE), "--worker",
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
-           "--batch", str(args.batch), "--accum", str(args.accum), "--blocks", str(args.blocks),
-           "--block-steps", str(args.block_steps)] + (["--in-job"] if in_job else [])
+           "--batch", str(args.batch), "--accum", str(args.accum), "--rounds", str(args.rounds)] + (["--in-job"] if in_job else [])
     if profiled:
         out = tempfile.mkdtemp(dir=out_root)
         cmd = [sys.executable, "-m", "synccheck", "profile", "--out", out, "--", *job]
@@ -127,8 +149,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--in-job", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--blocks", type=int, default=10, help="in-job A/B: blocks per side")
-    p.add_argument("--block-steps", type=int, default=5, help="in-job A/B: steps per block")
+    p.add_argument("--rounds", type=int, default=200,
+                   help="in-job A/B: rounds of one plain and one profiled step")
     p.add_argument("--no-in-job-check", dest="in_job_check", action="store_false",
                    help="skip the in-job A/B comparison printed after the interleaved pairs")
     p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON (for benchmarks/run.py)")
@@ -148,24 +170,29 @@ def main() -> None:
             pairs.append({"plain_s": result[False], "profiled_s": result[True], "ratio": ratio})
             print(f"pair {pair + 1}/{args.pairs}: plain {result[False] * 1e3:.2f} ms/step, "
                   f"profiled {result[True] * 1e3:.2f} ms/step, ratio {ratio:.4f}", flush=True)
-    median = statistics.median(ratios)
-    print(f"median step-time ratio profiled/plain over {args.pairs} interleaved pairs: {median:.4f} "
-          f"(target <= 1.02: {'met' if median <= 1.02 else 'NOT met'})")
+    median = ci = None
+    if ratios:
+        median, ci = statistics.median(ratios), _median_ci(ratios)
+        print(f"median step-time ratio profiled/plain over {args.pairs} interleaved job pairs: {median:.4f} "
+              f"(95% CI {ci[0]:.3f}-{ci[1]:.3f})")
     in_job = None
     if args.in_job_check:
-        # Job-to-job variation on a shared 2-core machine is often larger than 2%; the same comparison
-        # inside one job (alternating blocks of steps) isolates the hooks' own cost.
+        # Job-to-job variation on a shared 2-core machine is often larger than 2%, and the load drifts
+        # within a job too; alternating single steps inside one job cancels both.
         with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
             r = run_job(args, True, out_root, in_job=True)
-        in_job = {"blocks": args.blocks, "block_steps": args.block_steps, "plain_s": r["plain"],
-                  "profiled_s": r["profiled"], "ratio": r["profiled"] / r["plain"]}
-        print(f"in-job A/B ({args.blocks} blocks of {args.block_steps} steps each): plain "
-              f"{r['plain'] * 1e3:.2f} ms/step, profiled {r['profiled'] * 1e3:.2f} ms/step, "
-              f"ratio {r['profiled'] / r['plain']:.4f}")
+        in_job = {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"],
+                  "ratio": r["ratio"], "ci": r["ci"]}
+        print(f"in-job A/B ({args.rounds} rounds of one step a side): plain {r['plain'] * 1e3:.2f} ms/step, "
+              f"profiled {r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
+              f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
+    headline = in_job["ratio"] if in_job else median
+    if headline is not None:
+        print(f"overhead {'met' if headline <= 1.02 else 'NOT met'} (target <= 1.02): {headline:.4f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"steps": args.steps, "width": args.width, "pairs": pairs, "median_ratio": median,
-                       "in_job": in_job}, fh, indent=1)
+                       "median_ci": ci, "in_job": in_job}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "lint": ("bench_lint.py", ["--repeat", "1"], ["--repeat", "3"]),
     "overhead": ("bench_profiler_overhead.py",
-                 ["--pairs", "1", "--steps", "15", "--blocks", "4", "--block-steps", "5"], []),
+                 ["--pairs", "1", "--steps", "15", "--rounds", "40"], []),
     "accumulate": ("bench_accumulate.py", ["--rounds", "3", "--steps", "3"], []),
 }
 
@@ -104,12 +104,13 @@ def lint_rows(data: dict) -> list[tuple[str, str, str]]:
 def overhead_rows(data: dict) -> list[tuple[str, str, str]]:
     rows = [("profiler overhead (2-rank gloo job, target <= 1.02)",
              f"step time profiled / plain, median of {len(data['pairs'])} interleaved job pair(s)",
-             f"{data['median_ratio']:.3f}")]
+             f"{data['median_ratio']:.3f} (95% CI {data['median_ci'][0]:.3f}-{data['median_ci'][1]:.3f})")]
     if data.get("in_job"):
         r = data["in_job"]
         rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
-                     f"same, A/B inside one job ({r['blocks']} blocks of {r['block_steps']} steps a side)",
-                     f"{r['ratio']:.3f} ({r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
+                     f"same, A/B inside one job (median of {r['rounds']} rounds of one step a side)",
+                     f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}; "
+                     f"{r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
     return rows
 
 
