@@ -58,11 +58,22 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     def segment(node) -> str:
         return "".join(lines[_first_line(node) - 1:node.end_lineno])
 
+    def code_of(d) -> str:
+        """A function's lines without its docstring and full-line comments: the words that decide
+        what is kept must be code (torch's docstrings are full of ``loss.backward()`` examples)."""
+        first = _first_line(d) - 1
+        skip = range(0)
+        doc = d.body[0] if d.body else None
+        if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            skip = range(doc.lineno - 1, doc.end_lineno)
+        return "".join(line for i, line in enumerate(lines[first:d.end_lineno], first)
+                       if i not in skip and not line.lstrip().startswith("#"))
+
     facts = FACT_WORDS + tuple(f"{alias.asname}(" for node in tree.body if isinstance(node, ast.ImportFrom)
                                for alias in node.names if alias.asname and alias.name in ALIASED)
     self_fact = re.compile(r"self\.\w+\s*(?::[^=]*)?=[^=].*(?:" + "|".join(re.escape(f) for f in facts) + ")")
     all_defs = list(_defs(tree.body))
-    texts = {id(d): segment(d) for d in all_defs}
+    texts = {id(d): code_of(d) for d in all_defs}
     calls = {id(d): set(CALL.findall(texts[id(d)])) for d in all_defs}
     by_name: dict = {}
     for d in all_defs:

@@ -64,3 +64,27 @@ def test_syntax_error_in_a_big_file_points_at_the_original_line():
     source = big_source() + "\ndef broken(:\n    loss.backward()\n"
     (finding,) = check_source(source, "big.py")
     assert finding.code == "SC000" and finding.line == source.count("\n") - 1
+
+
+def test_words_in_docstrings_and_comments_do_not_keep_a_function():
+    # torch's own docstrings are full of training-loop examples; they are not code to analyse
+    documented = textwrap.dedent('''
+        def step(self, closure=None):
+            """Performs a single optimization step.
+
+            Example:
+                >>> for x, y in loader:
+                ...     loss_fn(model(x), y).backward()
+                ...     optimizer.step()
+            """
+            # model.no_sync() is not used here: loss.backward() runs elsewhere
+            for group in self.param_groups:
+                group["lr"] *= 0.5
+        ''')
+    source = "import torch\n" + FILLER + documented + FILLER
+    narrowed, _, error, _ = narrow(source, ("no_sync",), ("backward(",))
+    assert error is None
+    assert "def step" not in narrowed
+    coded = documented.replace('group["lr"] *= 0.5', "loss_fn(model(x), y).backward()")
+    narrowed, _, _, _ = narrow("import torch\n" + FILLER + coded + FILLER, ("no_sync",), ("backward(",))
+    assert "def step" in narrowed
