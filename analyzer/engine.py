@@ -162,12 +162,72 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     rules = list(ALL_RULES) if rules is None else list(rules)
     codes = tuple(r.code for r in rules)
     gates = tuple({g.encode() for r in rules for g in r.gate()})
-    files = discover(paths, is_excluded)
-    result = LintResult(files=len(files))
+    paths = list(paths)
+    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
     cache = None
     if cache_dir is not None:
-        from synccheck.analyzer.cache import Cache, content_key
+        from synccheck.analyzer.cache import Cache
         cache = Cache(cache_dir, codes)
+    pool = _Pool(jobs)
+    if not (cache and cache.by_path) and any(os.path.isdir(p) for p in paths) \
+            and all(os.path.exists(p) for p in paths):
+        # A cold folder walk: start the workers now, so that they import libcst and the rules (~0.3 s)
+        # while this process finds, reads and gates the files.
+        pool.start()
+    try:
+        return _lint(paths, codes, gates, pool, is_excluded, cache, ignored_codes)
+    finally:
+        pool.close()
+
+
+class _Pool:
+    """A process pool started on demand: before the walk for a cold run over folders, else at the first
+    file that needs parsing, and only where enough of them (or a warm pool) make it pay."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.executor = None
+
+    def start(self) -> None:
+        if self.executor is None and self.jobs > 1:
+            self.executor = _start_pool(self.jobs)
+
+    def map(self, fn, work: list) -> list:
+        if self.executor is None and self.jobs > 1 and len(work) >= POOL_MIN_FILES:
+            self.start()
+        if self.executor is None or not work:
+            return list(map(fn, work))
+        return list(self.executor.map(fn, work, chunksize=1))
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _start_pool(jobs: int):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_up)
+    pool.submit(int)     # with fork, the first task starts every worker
+    return pool
+
+
+def _warm_up() -> None:
+    """Import what the analysis needs, once per worker, before any file arrives."""
+    import synccheck.analyzer.model  # noqa: F401
+    import synccheck.analyzer.narrow  # noqa: F401
+    import synccheck.analyzer.parse  # noqa: F401
+    import synccheck.analyzer.paths  # noqa: F401
+    import synccheck.analyzer.positions  # noqa: F401
+
+
+def _lint(paths, codes, gates, pool, is_excluded, cache, ignored_codes) -> LintResult:
+    files = discover(paths, is_excluded)
+    result = LintResult(files=len(files))
+    if cache is not None:
+        from synccheck.analyzer.cache import content_key
     # Stage 2 in this process: reading, the cache and a one-word-per-rule gate on the raw bytes.
     todo = []
     for path in files:
@@ -209,19 +269,12 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
         else:
             # decoding and the rules' word checks run in the workers, beside the parse
             todo.append((path, data, key, None))
-    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+            if len(todo) == POOL_MIN_FILES:
+                pool.start()     # enough to pay for workers: they warm up while the walk goes on
     # biggest files first, so one large file does not start last and finish alone
     order = sorted(range(len(todo)), key=lambda i: -len(todo[i][1]))
     work = [(todo[i][0], todo[i][1], codes) for i in order]
-    if jobs > 1 and len(todo) >= POOL_MIN_FILES:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
-        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
-            found = dict(zip(order, pool.map(_analyse, work, chunksize=1)))
-    else:
-        found = dict(zip(order, map(_analyse, work)))
+    found = dict(zip(order, pool.map(_analyse, work)))
     for i, (path, _, key, notebook) in enumerate(todo):
         findings, errors, parsed = found[i]
         if notebook is not None:
