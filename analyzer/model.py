@@ -212,6 +212,7 @@ class ModuleModel:
     """Everything the rules need to know about one module."""
 
     def __init__(self, module: cst.Module, path: str = "<string>", source: Optional[str] = None) -> None:
+        _CALLS_SEEN.clear()
         self.module = module
         self.path = path
         self.imports: dict[str, str] = {}
@@ -984,6 +985,11 @@ def _calls(expr) -> list:
     A direct walk over the dataclass fields: libcst's visitor rebuilds every node it passes, which
     made this the hottest function of the analyzer.
     """
+    if expr is None:
+        return []
+    hit = _CALLS_SEEN.get(id(expr))
+    if hit is not None and hit[0] is expr:
+        return hit[1]      # a helper inlined at many call sites is walked once
     out: list = []
 
     def walk(node) -> None:
@@ -1000,9 +1006,14 @@ def _calls(expr) -> list:
         if isinstance(node, cst.Call):
             out.append(node)
 
-    if expr is not None:
-        walk(expr)
+    walk(expr)
+    _CALLS_SEEN[id(expr)] = (expr, out)
     return out
+
+
+# _calls results by expression (the node is kept beside its result, so a reused id never matches);
+# emptied for each module
+_CALLS_SEEN: dict = {}
 
 
 def _small_statements(stmts):
