@@ -71,11 +71,13 @@ FORWARD_DECIDES = ("ddp", "accelerate", "fabric")
 
 def dotted(node: cst.CSTNode) -> Optional[str]:
     """``a.b.c`` for a Name/Attribute chain, else None."""
+    # exact type tests: libcst's node classes are ABCs, and isinstance on them was a tenth of a big
+    # file's analysis (Name and Attribute have no subclasses)
     parts = []
-    while isinstance(node, cst.Attribute):
+    while type(node) is cst.Attribute:
         parts.append(node.attr.value)
         node = node.value
-    if isinstance(node, cst.Name):
+    if type(node) is cst.Name:
         parts.append(node.value)
         return ".".join(reversed(parts))
     return None
@@ -993,22 +995,35 @@ def _calls(expr) -> list:
     out: list = []
 
     def walk(node) -> None:
-        if isinstance(node, (cst.Lambda, cst.SimpleString, cst.Name, cst.Integer, cst.Float)):
+        if type(node) in _LEAVES:
             return
         for name in _fields(node):
             value = getattr(node, name)
-            if isinstance(value, cst.CSTNode):
+            if _is_node(value):
                 walk(value)
             elif isinstance(value, (list, tuple)):
                 for item in value:
-                    if isinstance(item, cst.CSTNode):
+                    if _is_node(item):
                         walk(item)
-        if isinstance(node, cst.Call):
+        if type(node) is cst.Call:
             out.append(node)
 
     walk(expr)
     _CALLS_SEEN[id(expr)] = (expr, out)
     return out
+
+
+_LEAVES = frozenset((cst.Lambda, cst.SimpleString, cst.Name, cst.Integer, cst.Float))
+_NODE_TYPES: dict = {}
+
+
+def _is_node(value) -> bool:
+    """isinstance(value, cst.CSTNode), decided once per type."""
+    t = type(value)
+    known = _NODE_TYPES.get(t)
+    if known is None:
+        known = _NODE_TYPES[t] = isinstance(value, cst.CSTNode)
+    return known
 
 
 # _calls results by expression (the node is kept beside its result, so a reused id never matches);
