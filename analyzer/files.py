@@ -207,8 +207,19 @@ def discover(paths: Iterable[str], is_excluded: Callable[[str], bool] = lambda p
     found: list = []
     seen: set = set()
 
+    real_dirs: dict = {}
+
     def add(path: str) -> None:
-        real = os.path.realpath(path)
+        # realpath walks every component with lstat: resolve each folder once, and a file itself only
+        # when it is a link
+        if os.path.islink(path):
+            real = os.path.realpath(path)
+        else:
+            folder, name = os.path.split(path)
+            real_dir = real_dirs.get(folder)
+            if real_dir is None:
+                real_dir = real_dirs[folder] = os.path.realpath(folder or ".")
+            real = os.path.join(real_dir, name)
         if real not in seen:
             seen.add(real)
             found.append(path)

@@ -102,3 +102,12 @@ def test_cli_walk_skips_gitignored_but_named_files_are_checked(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "synccheck", "lint", "--no-cache", "generated/train.py"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1 and "SC101" in proc.stdout
+
+
+def test_a_file_reached_twice_through_links_is_linted_once(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text("x = 1\n")
+    os.symlink(str(tmp_path / "pkg" / "train.py"), str(tmp_path / "alias.py"))   # a file link
+    os.symlink(str(tmp_path / "pkg"), str(tmp_path / "also"))                     # a folder link
+    found = discover([str(tmp_path), str(tmp_path / "also")])
+    assert len(found) == 1, found
