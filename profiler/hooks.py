@@ -56,7 +56,10 @@ def _active() -> bool:
 # -- process role ------------------------------------------------------------------------------------
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic")
-_LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "deepspeed")
+_LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed")
+# `python -m accelerate.commands.launch` and `python -m accelerate.commands.accelerate_cli launch`: the
+# accelerate CLI never trains in its own process (`launch` runs torch.distributed.run in-process).
+_LAUNCHER_MODULE_PREFIXES = _LAUNCHER_MODULES + ("accelerate.commands.",)
 
 
 def process_role() -> str:
@@ -65,7 +68,7 @@ def process_role() -> str:
     They import torch.distributed too, but only start workers; they must record nothing."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if spec is not None and str(spec.name).startswith(_LAUNCHER_MODULES):
+    if spec is not None and str(spec.name).startswith(_LAUNCHER_MODULE_PREFIXES):
         return "agent"
     # `python -m torch.distributed.run`: runpy imports the torch.distributed package (and so torch)
     # before __main__ exists and while sys.argv[0] is still "-m"; the interpreter's own argv says it.
@@ -73,7 +76,7 @@ def process_role() -> str:
     for i, arg in enumerate(orig[1:], 1):
         module = orig[i + 1] if arg == "-m" and i + 1 < len(orig) else (arg[2:] if arg.startswith("-m") else None)
         if module is not None:
-            if module.startswith(_LAUNCHER_MODULES) or module in ("accelerate.commands.launch",):
+            if module.startswith(_LAUNCHER_MODULE_PREFIXES):
                 return "agent"
             break
         if not arg.startswith("-"):

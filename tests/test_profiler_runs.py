@@ -203,3 +203,59 @@ def test_rank_that_raises_after_three_steps(tmp_path):
     records = T.read_records(run.out_dir)
     assert T.count(records[1], "step") == 3
     assert "fails on purpose" in run.stderr
+
+
+# -- accelerate launch ---------------------------------------------------------------------------------
+
+ACCELERATE_SCRIPT = T.script("accelerate_accum.py")
+ACC_STEPS, ACC_MICRO = 4, 4
+
+
+def _accelerate_env(tmp_path):
+    # A folder of its own for accelerate's config, so a developer's `accelerate config` cannot change the run.
+    return T.base_env(HF_HOME=str(tmp_path / "hf-home"))
+
+
+def _roles(out_dir):
+    return sorted(json.loads(p.read_text())["role"] for p in out_dir.glob("proc.*.json"))
+
+
+def test_accelerate_launch_accumulate_syncs_once_per_step(tmp_path):
+    run = T.profile(tmp_path, T.accelerate_launch(ACCELERATE_SCRIPT, "--mode", "accumulate"),
+                    env=_accelerate_env(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert run.report["world_size"] == 2
+    # The `accelerate` process runs torch.distributed.run in-process: an agent that records nothing.
+    assert _roles(run.out_dir) == ["agent", "worker", "worker"]
+    assert len(list(run.out_dir.glob("rank-*.jsonl"))) == 2
+    per_step = T.windows(run.out_dir)
+    for r in (0, 1):
+        rank = run.rank(r)
+        assert rank["models"] == ["ddp"]
+        assert rank["optimizer_steps"] == ACC_STEPS and rank["micro_steps"] == ACC_STEPS * ACC_MICRO
+        assert rank["synced_micro_steps"] == ACC_STEPS and rank["grad_allreduces"] == ACC_STEPS
+        assert rank["synced_micro_steps_per_step"] == 1.0
+        # accelerator.accumulate(model): every optimizer step has 4 micro-steps, exactly one of them synced.
+        assert per_step[r] == [(ACC_MICRO, 1)] * ACC_STEPS
+    assert run.report["findings"] == []
+    assert run.report["divergence"]["diverged"] is False
+
+
+def test_accelerate_launch_without_accumulate_is_sc101(tmp_path):
+    # The `accelerate-launch` console script this time (an agent too).
+    run = T.profile(tmp_path, T.accelerate_launch(ACCELERATE_SCRIPT, "--mode", "every",
+                                                  exe=T.ACCELERATE + "-launch"),
+                    env=_accelerate_env(tmp_path))
+    assert run.returncode == 0, run.stderr
+    assert _roles(run.out_dir) == ["agent", "worker", "worker"]
+    per_step = T.windows(run.out_dir)
+    for r in (0, 1):
+        rank = run.rank(r)
+        assert rank["optimizer_steps"] == ACC_STEPS and rank["micro_steps"] == ACC_STEPS * ACC_MICRO
+        assert rank["synced_micro_steps"] == ACC_STEPS * ACC_MICRO
+        assert per_step[r] == [(ACC_MICRO, ACC_MICRO)] * ACC_STEPS
+    assert run.codes() == ["SC101"]
+    f = run.finding("SC101")
+    assert f["ranks"] == [0, 1] and f["line"] == T.line_of(ACCELERATE_SCRIPT, "# EVERY-FORWARD")
+    assert f"{ACC_MICRO} of {ACC_MICRO} micro-steps" in f["message"]
+
