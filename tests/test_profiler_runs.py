@@ -259,3 +259,27 @@ def test_accelerate_launch_without_accumulate_is_sc101(tmp_path):
     assert f["ranks"] == [0, 1] and f["line"] == T.line_of(ACCELERATE_SCRIPT, "# EVERY-FORWARD")
     assert f"{ACC_MICRO} of {ACC_MICRO} micro-steps" in f["message"]
 
+
+# -- records after the last optimizer step -------------------------------------------------------------
+
+@pytest.mark.parametrize("end", ["barrier+destroy", "barrier", "destroy"])
+def test_local_sgd_averaging_after_the_last_step_is_not_lost(tmp_path, end):
+    # Two optimizer steps, one averaging all-reduce after the second, then the script ends with os._exit
+    # within milliseconds: the flush at barrier / destroy_process_group must get it to disk, or the
+    # verdict sees two steps on local gradients and no averaging (a false SC103).
+    script = T.script("local_sgd_short.py")
+    run = T.profile(tmp_path, T.torchrun(script, "--steps", "2", "--every", "2", "--end", end))
+    assert run.returncode == 0, run.stderr
+    assert run.codes() == [], run.stderr
+    assert run.report["param_averaging"] is True
+    records = T.read_records(run.out_dir)
+    for r in (0, 1):
+        rank = run.rank(r)
+        assert rank["optimizer_steps"] == 2 and rank["micro_steps"] == 4 and rank["synced_micro_steps"] == 0
+        assert rank["param_averages"] == 1
+        kinds = [(ev[0], ev[3] if ev[0] == "coll" else None) for ev in records[r]]
+        last_step = max(i for i, (kind, _) in enumerate(kinds) if kind == "step")
+        assert ("coll", "all_reduce") in kinds[last_step:]
+        if "barrier" in end:
+            assert rank["collectives"].get("barrier") == 1   # flushed when the barrier returned
+
