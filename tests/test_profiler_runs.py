@@ -283,3 +283,43 @@ def test_local_sgd_averaging_after_the_last_step_is_not_lost(tmp_path, end):
         if "barrier" in end:
             assert rank["collectives"].get("barrier") == 1   # flushed when the barrier returned
 
+
+# -- FSDP1 ---------------------------------------------------------------------------------------------
+
+FSDP1_SCRIPT = T.script("fsdp1_accum.py")
+F_STEPS, F_MICRO = 3, 3
+
+
+def _fsdp1_run(tmp_path, mode):
+    run = T.profile(tmp_path, T.torchrun(FSDP1_SCRIPT, "--mode", mode, "--steps", str(F_STEPS),
+                                         "--accum", str(F_MICRO)))
+    assert run.returncode == 0, run.stderr
+    return run, T.windows(run.out_dir)
+
+
+def test_fsdp1_no_sync_accumulation_reduces_once_per_step(tmp_path):
+    run, per_step = _fsdp1_run(tmp_path, "nosync")
+    for r in (0, 1):
+        rank = run.rank(r)
+        # Nested units: only the root's forward is a micro-step.
+        assert rank["models"] == ["fsdp"]
+        assert rank["optimizer_steps"] == F_STEPS and rank["micro_steps"] == F_STEPS * F_MICRO
+        assert rank["synced_micro_steps"] == F_STEPS
+        assert per_step[r] == [(F_MICRO, 1)] * F_STEPS
+        # Two FSDP units hold parameters (the Linear layers): two reduce-scatters per synced backward.
+        assert rank["collectives"]["reduce_scatter_single"] == F_STEPS * 2 == rank["grad_allreduces"]
+    assert run.codes() == []
+
+
+def test_fsdp1_sync_every_microstep_is_sc101(tmp_path):
+    run, per_step = _fsdp1_run(tmp_path, "every")
+    for r in (0, 1):
+        rank = run.rank(r)
+        assert rank["optimizer_steps"] == F_STEPS and rank["micro_steps"] == F_STEPS * F_MICRO
+        assert rank["synced_micro_steps"] == F_STEPS * F_MICRO
+        assert per_step[r] == [(F_MICRO, F_MICRO)] * F_STEPS
+        assert rank["collectives"]["reduce_scatter_single"] == F_STEPS * F_MICRO * 2 == rank["grad_allreduces"]
+    assert run.codes() == ["SC101"]
+    f = run.finding("SC101")
+    assert "FSDP" in f["message"] and f"{F_MICRO} of {F_MICRO} micro-steps" in f["message"]
+    assert f["path"].endswith("fsdp1_accum.py")
