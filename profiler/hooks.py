@@ -12,7 +12,9 @@ What DDP does at run time, and where each count comes from:
 * `no_sync()` entered after a synced forward is too late: the reducer was already prepared. We note the
   `no_sync()` call site, and when the backward of a synced forward starts while the flag is off we record
   the SC102 evidence with that line.
-* Optimizer steps come from torch's global optimizer step post-hook; each one flushes the record file.
+* Optimizer steps come from torch's global optimizer step post-hook; each one flushes the record file, and
+  so do a blocking `barrier` (when it starts and when it returns) and `destroy_process_group`, so what a
+  rank did after its last optimizer step survives the `os._exit` that often follows.
 * Python-level collectives (`dist.all_reduce`, `barrier`, `all_gather_single`, `reduce_scatter_single`,
   ...) are wrapped on the `torch.distributed` namespace: FSDP1/FSDP2, parameter averaging and manual
   gradient averaging all go through them.
@@ -56,7 +58,10 @@ def _active() -> bool:
 # -- process role ------------------------------------------------------------------------------------
 
 _LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "torch.distributed.elastic")
-_LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "deepspeed")
+_LAUNCHER_SCRIPTS = ("torchrun", "accelerate", "accelerate-launch", "deepspeed")
+# `python -m accelerate.commands.launch` and `python -m accelerate.commands.accelerate_cli launch`: the
+# accelerate CLI never trains in its own process (`launch` runs torch.distributed.run in-process).
+_LAUNCHER_MODULE_PREFIXES = _LAUNCHER_MODULES + ("accelerate.commands.",)
 
 
 def process_role() -> str:
@@ -65,7 +70,7 @@ def process_role() -> str:
     They import torch.distributed too, but only start workers; they must record nothing."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if spec is not None and str(spec.name).startswith(_LAUNCHER_MODULES):
+    if spec is not None and str(spec.name).startswith(_LAUNCHER_MODULE_PREFIXES):
         return "agent"
     # `python -m torch.distributed.run`: runpy imports the torch.distributed package (and so torch)
     # before __main__ exists and while sys.argv[0] is still "-m"; the interpreter's own argv says it.
@@ -73,7 +78,7 @@ def process_role() -> str:
     for i, arg in enumerate(orig[1:], 1):
         module = orig[i + 1] if arg == "-m" and i + 1 < len(orig) else (arg[2:] if arg.startswith("-m") else None)
         if module is not None:
-            if module.startswith(_LAUNCHER_MODULES) or module in ("accelerate.commands.launch",):
+            if module.startswith(_LAUNCHER_MODULE_PREFIXES):
                 return "agent"
             break
         if not arg.startswith("-"):
@@ -492,7 +497,12 @@ def _wrap_collective(name: str, fn):
     tensor_index = 1 if name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                                  "reduce_scatter_tensor", "all_to_all_single", "reduce_scatter",
                                  "all_to_all") else 0
-    if name in ("barrier", "monitored_barrier"):
+    # A blocking barrier is rare and often the last thing a script does before it ends (with `os._exit`,
+    # or torch 2.13's gloo teardown abort, both of which skip atexit): the record file is flushed when one
+    # starts and when it returns, so whatever came after the last optimizer step (a final local-SGD
+    # averaging) and the barrier itself reach the disk. Per-step collectives pay nothing for it.
+    flush_around = name in ("barrier", "monitored_barrier")
+    if flush_around:
         tensor_index = -1
     tensor_name = params[tensor_index] if 0 <= tensor_index < len(params) else None
 
@@ -524,13 +534,24 @@ def _wrap_collective(name: str, fn):
         # A blocking call: the flusher reports it if it does not return (a hang), see recorder.
         current = (name, path, line, t0)
         rec.current = current
+        if flush_around:
+            _flush_quietly()
         try:
             return fn(*args, **kwargs)
         finally:
             rec.current = None
             rec.event([R.COLLECTIVE, t0, R.now_us() - t0, name, n_bytes, role, path, line])
+            if flush_around:
+                _flush_quietly()
     wrapper.__synccheck_wrapped__ = fn
     return wrapper
+
+
+def _flush_quietly() -> None:
+    try:
+        rec.flush()
+    except Exception:
+        pass
 
 
 def _patch_collectives(dist) -> None:
@@ -564,6 +585,30 @@ def _patch_init_process_group(dist) -> None:
         c10d.init_process_group = init_process_group
 
 
+def _patch_destroy_process_group(dist) -> None:
+    """Flush the record file when the script tears its process group down.
+
+    That is the end of a distributed script, often followed by `os._exit` (or by torch 2.13's gloo abort
+    at interpreter teardown), which skip atexit: without this, what a rank did after its last optimizer
+    step (a final parameter averaging) could be lost, since the background flusher runs only every
+    FLUSH_INTERVAL_S."""
+    c10d = getattr(dist, "distributed_c10d", None)
+    orig = getattr(dist, "destroy_process_group", None)
+    if orig is None or getattr(orig, "__synccheck_wrapped__", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def destroy_process_group(*args, **kwargs):
+        if rec.active:
+            _flush_quietly()
+        return orig(*args, **kwargs)
+
+    destroy_process_group.__synccheck_wrapped__ = orig
+    dist.destroy_process_group = destroy_process_group
+    if c10d is not None and getattr(c10d, "destroy_process_group", None) is orig:
+        c10d.destroy_process_group = destroy_process_group
+
+
 # -- installation ------------------------------------------------------------------------------------
 
 def install(when_imported=None) -> None:
@@ -589,6 +634,7 @@ def install(when_imported=None) -> None:
     _patch_ddp(DistributedDataParallel)
     _patch_collectives(dist)
     _patch_init_process_group(dist)
+    _patch_destroy_process_group(dist)
     register_optimizer_step_post_hook(_on_optimizer_step)
     # FSDP is imported lazily by the user's script, if at all.
     lazy = (("torch.distributed.fsdp._fully_shard._fsdp_state", _patch_fsdp2),

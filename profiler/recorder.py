@@ -7,8 +7,9 @@ default process group, so it never opens a file.
 
 Durability without `atexit`: `os._exit`, SIGKILL and torch 2.13's gloo teardown abort all skip atexit
 handlers, so records go to the kernel with `os.write` at every optimizer step (a SIGKILLed process keeps
-what the kernel already has), plus a small background flusher so that a rank blocked in a collective
-still shows its last micro-steps and the collective it is blocked in.
+what the kernel already has), at a blocking barrier and at `destroy_process_group` (the end of a script:
+what came after the last optimizer step is kept), plus a small background flusher so that a rank blocked
+in a collective still shows its last micro-steps and the collective it is blocked in.
 
 This module imports only the standard library; the torch hooks live in `hooks.py`.
 """

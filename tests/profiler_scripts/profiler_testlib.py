@@ -13,6 +13,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
 RUN_TIMEOUT = 180
 
 
@@ -96,6 +97,29 @@ def free_port() -> int:
 
 def torchrun(*args: str, nproc: int = 2) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
+def accelerate_launch(*args: str, nproc: int = 2, exe: str = ACCELERATE) -> list[str]:
+    """`accelerate launch` starting `nproc` local processes on this CPU-only machine.
+
+    `--multi_gpu` is the flag that makes accelerate start several local processes (it runs
+    torch.distributed.run inside the `accelerate` process); `--cpu` would choose its single-process
+    launcher, or mpirun with --mpirun_hostfile. The scripts pass `Accelerator(cpu=True)`, so the workers
+    use gloo. The other flags only silence accelerate's "defaults used" warning."""
+    launch = [exe] if exe.endswith("accelerate-launch") else [exe, "launch"]
+    return [*launch, "--multi_gpu", f"--num_processes={nproc}", f"--main_process_port={free_port()}",
+            "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", *args]
+
+
+def windows(out_dir: Path) -> dict[int, list[tuple[int, int]]]:
+    """rank -> (micro-steps, synced micro-steps) of every optimizer-step window, as the verdict sees them."""
+    from synccheck.profiler import records, verdict
+    ranks, _ = records.load_ranks(str(out_dir))
+    result = {}
+    for record in ranks:
+        summary = verdict.summarize(record)
+        result[record.rank] = [(w.micro_steps, w.synced_micro_steps) for w in summary.windows]
+    return result
 
 
 def alive(pid: int) -> bool:
