@@ -328,7 +328,7 @@ def analyse(records: list[RankRecord], notes: list[str] | None = None) -> Report
     if averaging_seen:
         unsynced = sum(1 for s in summaries for w in s.steady_windows() if w.last_micro_synced is False)
         avg = max(s.param_averages for s in summaries)
-        notes.append(f"parameter averaging recognised ({avg} averaging all-reduces per rank, e.g. local SGD / "
+        notes.append(f"parameter averaging recognised ({avg} averaging all-reduce{'' if avg == 1 else 's'} per rank, e.g. local SGD / "
                      f"PeriodicModelAverager): the {unsynced} rank-steps without gradient sync are intended, not SC103")
     if world_size and len(summaries) < world_size:
         missing = sorted(set(range(world_size)) - {s.rank for s in summaries})
