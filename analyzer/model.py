@@ -249,6 +249,7 @@ class ModuleModel:
         self._fn: Optional[str] = None        # the function the facts pass is in
         self._source: Optional[str] = source
         self._atom_cache: dict[int, str] = {}
+        self._code_cache: dict = {}     # id(node) -> (node, source text)
         self._expr_cache: dict[str, Optional[ast.AST]] = {}
         self._collect_defs(module.body, None)
         self._collect_imports()
