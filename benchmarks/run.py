@@ -116,6 +116,8 @@ def overhead_rows(data: dict) -> list[tuple[str, str, str]]:
 
 def accumulate_rows(data: dict) -> list[tuple[str, str, str]]:
     seconds = data["seconds"]
+    if "wall" in seconds:            # {"wall": {mode: [...]}, "cpu": {...}}: the rows are wall time
+        seconds = seconds["wall"]
     args = data["args"]
     median = {mode: statistics.median(values) for mode, values in seconds.items()}
     rounds = len(next(iter(seconds.values())))
