@@ -113,6 +113,9 @@ class Recorder:
             "ppid": os.getppid(),
             "argv": list(sys.argv),
             "backend": backend,
+            # training frameworks already loaded when the group was made: the verdict words its fixes for them
+            "frameworks": sorted(m for m in ("accelerate", "lightning", "pytorch_lightning", "deepspeed")
+                                 if m in sys.modules),
             "t0": now_us(),
         }
         self.active = True

@@ -54,6 +54,7 @@ class RankSummary:
     blocked: list | None = None                               # last BLOCKED event, if any
     last_event: list | None = None
     truncated: bool = False
+    frameworks: tuple = ()                                    # accelerate, lightning, ... loaded in the rank
 
     def steady_windows(self) -> list[Window]:
         return [w for w in self.windows[1:] if w.micro_steps]
@@ -76,6 +77,7 @@ class RankSummary:
             "param_averages": self.param_averages,
             "collectives": dict(sorted(self.collectives.items())),
             "models": sorted(self.model_kinds),
+            "frameworks": list(self.frameworks),
             "checksums": {str(k): v for k, v in sorted(self.checksums.items())},
         }
 
@@ -110,7 +112,8 @@ def _count_grad_allreduce(s, window, n_bytes: int) -> None:
 def summarize(record: RankRecord) -> RankSummary:
     meta = record.meta
     s = RankSummary(rank=record.rank, host=str(meta.get("host", "")), pid=record.pid,
-                    node_rank=meta.get("node_rank"), truncated=record.truncated)
+                    node_rank=meta.get("node_rank"), truncated=record.truncated,
+                    frameworks=tuple(meta.get("frameworks") or ()))
     kinds: dict[str, str] = {}
     # Bucket events are appended when the all-reduce completes but carry its start time: order by time.
     events = sorted(record.events, key=lambda ev: ev[1] if len(ev) > 1 and isinstance(ev[1], int) else 0)
@@ -219,6 +222,9 @@ def rank_findings(s: RankSummary, averaging_seen: bool) -> list[Finding]:
             fix = ("FSDP reduce-scatters every micro-step's gradients; `set_requires_gradient_sync(False)` "
                    "(FSDP2) or `no_sync()` (FSDP1) on the non-boundary micro-steps trades that communication "
                    "for memory")
+        elif "accelerate" in (s.frameworks or ()):
+            fix = ("run every micro-step inside `with accelerator.accumulate(model):`, with "
+                   "`Accelerator(gradient_accumulation_steps=N)`")
         else:
             fix = ("run the forward *and* backward of every non-boundary micro-step inside `model.no_sync()` "
                    "(or use synccheck.runtime.GradientAccumulator)")

@@ -258,6 +258,8 @@ def test_accelerate_launch_without_accumulate_is_sc101(tmp_path):
     f = run.finding("SC101")
     assert f["ranks"] == [0, 1] and f["line"] == T.line_of(ACCELERATE_SCRIPT, "# EVERY-FORWARD")
     assert f"{ACC_MICRO} of {ACC_MICRO} micro-steps" in f["message"]
+    assert "accelerator.accumulate(model)" in f["message"]       # the fix in the script's own terms
+    assert run.rank(0)["frameworks"] == ["accelerate"]
 
 
 # -- records after the last optimizer step -------------------------------------------------------------
