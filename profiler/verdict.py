@@ -330,7 +330,7 @@ def analyse(records: list[RankRecord], notes: list[str] | None = None) -> Report
             findings.append(Finding("SC103", f"the replicas are no longer identical: {evidence}", None, None, None))
         elif div["diverged"]:
             notes.append(f"parameter averaging is in use; between averaging points the replicas differ "
-                         f"({evidence})")
+                         f"({_divergence_text(div, between_averagings=True)})")
     if averaging_seen:
         unsynced = sum(1 for s in summaries for w in s.steady_windows() if w.last_micro_synced is False)
         avg = max(s.param_averages for s in summaries)
@@ -346,11 +346,12 @@ def analyse(records: list[RankRecord], notes: list[str] | None = None) -> Report
     return Report(summaries, findings, notes, world_size, div, averaging_seen)
 
 
-def _divergence_text(div: dict) -> str:
+def _divergence_text(div: dict, between_averagings: bool = False) -> str:
     if div["diverged"]:
         groups = " vs ".join("ranks " + ",".join(map(str, g)) if len(g) > 1 else f"rank {g[0]}"
                              for g in div["groups"])
-        return f"parameter checksums differ after optimizer step {div['step']} ({groups}): the ranks diverged"
+        said = f"parameter checksums differ after optimizer step {div['step']} ({groups})"
+        return said if between_averagings else f"{said}: the ranks diverged"
     return f"parameter checksums still agree after optimizer step {div['step']}"
 
 
