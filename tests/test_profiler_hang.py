@@ -64,7 +64,10 @@ def test_healthy_job_is_not_disturbed_by_hang_timeout(tmp_path):
 @needs_py_spy
 def test_sample_reports_a_communication_share(tmp_path):
     profile = tmp_path / "profile.speedscope.json"
-    run = T.profile(tmp_path, [T.PYTHON, ACCUM, "--mode", "every", "--spawn", "--steps", "8"],
+    # long enough that py-spy, which finds spawned children by polling, samples both ranks' training
+    # even on a loaded machine (8 steps once gave a rank no sample at all)
+    steps = 60
+    run = T.profile(tmp_path, [T.PYTHON, ACCUM, "--mode", "every", "--spawn", "--steps", str(steps)],
                     "--sample", str(profile), "--sample-rate", "50")
     assert run.returncode == 0, run.stderr
     sample = run.report["sample"]
@@ -74,7 +77,7 @@ def test_sample_reports_a_communication_share(tmp_path):
     assert set(ranks) == {0, 1}
     for r in ranks.values():
         assert r["samples"] > 0 and 0 < r["comm_share"] <= 1
-    assert run.rank(0)["grad_allreduces"] == 8 * 3      # next to the all-reduce counts
+    assert run.rank(0)["grad_allreduces"] == steps * 3      # next to the all-reduce counts
     assert "share of training-thread samples in communication" in run.stderr.replace("\n", " ")
 
 
