@@ -31,3 +31,14 @@ def test_every_rule_has_examples_and_docs():
         doc = rule.documentation()
         for heading in ("## What it does", "## Why is this bad?", "## Example"):
             assert heading in doc, (rule.code, heading)
+
+
+def test_sc301_collective_prefilter_matches_the_regex():
+    # SC301's cheap file filter finds collectives with str.find; it must agree with the rule's regex
+    from synccheck.analyzer.rules.sc301 import COLLECTIVE_CALL, _has_collective
+    cases = ["dist.barrier()", "xdist.barrier()", "_dist.all_reduce(x)", "torch.distributed.all_reduce(t)",
+             "accelerator.wait_for_everyone()", "c10d.broadcast_object_list(x)", "dist.barrier ()",
+             "dist.reduce(", "dist.reduced(", "dist.reduce_scatter_tensor(", "fabric.barrier()",
+             "x = 1\nif rank == 0:\n    dist.gather(t)\n", "print('dist.')", "dist.", ""]
+    for text in cases:
+        assert _has_collective(text) == (COLLECTIVE_CALL.search(text) is not None), text
