@@ -265,7 +265,14 @@ class ModuleModel:
         return self._source
 
     def code(self, node: cst.CSTNode) -> str:
-        return self.module.code_for_node(node)
+        # libcst regenerates the text on every call, and the path walk asks for the same few condition
+        # nodes hundreds of times (415 calls on 11 nodes in one 213-line torch file)
+        hit = self._code_cache.get(id(node))
+        if hit is not None and hit[0] is node:
+            return hit[1]
+        text = self.module.code_for_node(node)
+        self._code_cache[id(node)] = (node, text)
+        return text
 
     def atom(self, node: cst.BaseExpression) -> str:
         """A canonical, parenthesis- and whitespace-insensitive key for a condition expression."""
