@@ -214,7 +214,6 @@ class ModuleModel:
     """Everything the rules need to know about one module."""
 
     def __init__(self, module: cst.Module, path: str = "<string>", source: Optional[str] = None) -> None:
-        _CALLS_SEEN.clear()
         self.module = module
         self.path = path
         self.imports: dict[str, str] = {}
@@ -250,6 +249,7 @@ class ModuleModel:
         self._source: Optional[str] = source
         self._atom_cache: dict[int, str] = {}
         self._code_cache: dict = {}     # id(node) -> (node, source text)
+        self._calls_cache: dict = {}    # id(expr) -> (expr, the calls in it)
         self._expr_cache: dict[str, Optional[ast.AST]] = {}
         self._collect_defs(module.body, None)
         self._collect_imports()
@@ -273,6 +273,16 @@ class ModuleModel:
         text = self.module.code_for_node(node)
         self._code_cache[id(node)] = (node, text)
         return text
+
+    def _calls(self, expr) -> list:
+        """``_calls(expr)``, walked once per expression: a helper inlined at many call sites is not
+        walked again at each (the node is kept beside its result, so a reused id never matches)."""
+        hit = self._calls_cache.get(id(expr))
+        if hit is not None and hit[0] is expr:
+            return hit[1]
+        out = _calls(expr)
+        self._calls_cache[id(expr)] = (expr, out)
+        return out
 
     def atom(self, node: cst.BaseExpression) -> str:
         """A canonical, parenthesis- and whitespace-insensitive key for a condition expression."""
@@ -478,7 +488,7 @@ class ModuleModel:
 
     def _fact_expr(self, expr, class_name, conds) -> None:
         """Wrapping done by a bare call (``fully_shard(model)``) and sync calls that reveal a wrapper."""
-        for call in _calls(expr):
+        for call in self._calls(expr):
             func = dotted(call.func)
             q = self.qualify(func)
             if WRAPPER_CALLS.get(q) == "fsdp2" and call.args:
@@ -781,7 +791,7 @@ class ModuleModel:
         out: list = []
         if expr is None:
             return out
-        for call in _calls(expr):
+        for call in self._calls(expr):
             if skip_self and call is expr:
                 continue
             events = self._call_events(call, ctx)
@@ -997,9 +1007,6 @@ def _calls(expr) -> list:
     """
     if expr is None:
         return []
-    hit = _CALLS_SEEN.get(id(expr))
-    if hit is not None and hit[0] is expr:
-        return hit[1]      # a helper inlined at many call sites is walked once
     out: list = []
 
     def walk(node) -> None:
@@ -1017,7 +1024,6 @@ def _calls(expr) -> list:
             out.append(node)
 
     walk(expr)
-    _CALLS_SEEN[id(expr)] = (expr, out)
     return out
 
 
@@ -1033,10 +1039,6 @@ def _is_node(value) -> bool:
         known = _NODE_TYPES[t] = isinstance(value, cst.CSTNode)
     return known
 
-
-# _calls results by expression (the node is kept beside its result, so a reused id never matches);
-# emptied for each module
-_CALLS_SEEN: dict = {}
 
 
 def _small_statements(stmts):
