@@ -565,7 +565,6 @@ def _patch_collectives(dist) -> None:
 def _patch_init_process_group(dist) -> None:
     """Activate as soon as the default group exists, so the record file (and the launcher's view of
     which pid is which rank) appears before the first micro-step."""
-    c10d = getattr(dist, "distributed_c10d", None)
     orig = dist.init_process_group
 
     @functools.wraps(orig)
@@ -579,10 +578,7 @@ def _patch_init_process_group(dist) -> None:
             pass
         return result
 
-    init_process_group.__synccheck_wrapped__ = orig
-    dist.init_process_group = init_process_group
-    if c10d is not None and getattr(c10d, "init_process_group", None) is orig:
-        c10d.init_process_group = init_process_group
+    _install_on_dist(dist, "init_process_group", orig, init_process_group)
 
 
 def _patch_destroy_process_group(dist) -> None:
@@ -592,7 +588,6 @@ def _patch_destroy_process_group(dist) -> None:
     at interpreter teardown), which skip atexit: without this, what a rank did after its last optimizer
     step (a final parameter averaging) could be lost, since the background flusher runs only every
     FLUSH_INTERVAL_S."""
-    c10d = getattr(dist, "distributed_c10d", None)
     orig = getattr(dist, "destroy_process_group", None)
     if orig is None or getattr(orig, "__synccheck_wrapped__", None) is not None:
         return
@@ -603,10 +598,17 @@ def _patch_destroy_process_group(dist) -> None:
             _flush_quietly()
         return orig(*args, **kwargs)
 
-    destroy_process_group.__synccheck_wrapped__ = orig
-    dist.destroy_process_group = destroy_process_group
-    if c10d is not None and getattr(c10d, "destroy_process_group", None) is orig:
-        c10d.destroy_process_group = destroy_process_group
+    _install_on_dist(dist, "destroy_process_group", orig, destroy_process_group)
+
+
+def _install_on_dist(dist, name: str, orig, wrapper) -> None:
+    """``dist.<name> = wrapper``, and on ``distributed_c10d`` too where that module still holds the
+    original (torch's own code calls it from there)."""
+    wrapper.__synccheck_wrapped__ = orig
+    setattr(dist, name, wrapper)
+    c10d = getattr(dist, "distributed_c10d", None)
+    if c10d is not None and getattr(c10d, name, None) is orig:
+        setattr(c10d, name, wrapper)
 
 
 # -- installation ------------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ def rank_findings(s: RankSummary, averaging_seen: bool) -> list[Finding]:
             fix = ("FSDP reduce-scatters every micro-step's gradients; `set_requires_gradient_sync(False)` "
                    "(FSDP2) or `no_sync()` (FSDP1) on the non-boundary micro-steps trades that communication "
                    "for memory")
-        elif "accelerate" in (s.frameworks or ()):
+        elif "accelerate" in s.frameworks:
             fix = ("run every micro-step inside `with accelerator.accumulate(model):`, with "
                    "`Accelerator(gradient_accumulation_steps=N)`")
         else:
