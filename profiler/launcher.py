@@ -146,7 +146,7 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     if opts.sample_path:
         from synccheck.profiler.sample import Sampler
         sampler = Sampler(opts.sample_path, opts.sample_format, opts.sample_rate)
-        sampler.start(child.pid)
+        sampler.start(child.pid, out_dir, session)
     result = RunResult(exit_code=0, session=session, out_dir=out_dir, started=started, ended=started)
     received: list[int] = []
 
@@ -178,6 +178,8 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
                 pass
             if watchdog is not None:
                 watchdog.check()
+            if sampler is not None:
+                sampler.poll()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

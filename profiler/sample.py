@@ -1,21 +1,32 @@
 """`--sample PATH`: a py-spy profile of every worker, and each rank's share of time in communication.
 
-py-spy attaches to the launched command (`py-spy record --pid CHILD --subprocesses`) rather than launching
-it, because `py-spy record -- CMD` does not return CMD's exit code. `--idle` keeps the samples where the
-training thread waits with the GIL released (a blocking all-reduce), and `--native` shows the C++ frames
-that say what it waits for (`c10d::Work::wait`, `Reducer::finalize_backward`, gloo).
+One `py-spy record --pid WORKER` per rank, started as soon as the rank's record file appears (at
+`init_process_group`), rather than one `py-spy record --subprocesses` on the whole command tree:
+py-spy's subprocess discovery is where it crashes (SIGSEGV while it inspects a process that has just
+been spawned, py-spy issues #638 and #724), and one crashed recorder used to lose every rank's profile.
+Per rank, a recorder that dies while its worker lives is started again, and what each recorder wrote is
+merged into PATH in the shape `--subprocesses` writes (one `Process PID` profile per rank). Attaching
+at `init_process_group` also leaves out start-up (imports), which is not training.
+
+py-spy attaches to the workers rather than launching the command, because `py-spy record -- CMD` does
+not return CMD's exit code. `--idle` keeps the samples where the training thread waits with the GIL
+released (a blocking all-reduce), and `--native` shows the C++ frames that say what it waits for
+(`c10d::Work::wait`, `Reducer::finalize_backward`, gloo).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import time
 
-from synccheck.profiler.hang import find_py_spy
-from synccheck.profiler.records import load_ranks
+from synccheck.profiler.hang import descendants, find_py_spy
+from synccheck.profiler.records import load_ranks, rank_files
 
 # Frame names (Python or native) that mean "communicating or waiting for it".
 _COMM_PATTERNS = ("gloo", "nccl", "c10d::", "processgroup", "allreduce", "all_reduce", "barrier", "broadcast",
@@ -27,6 +38,20 @@ _THREAD_ROOT = "Thread._bootstrap"
 _PROFILE_NAME = re.compile(r"Process (\d+) Thread (\d+)")
 _RAW_PROCESS = re.compile(r"^process (\d+):")
 FINISH_TIMEOUT_S = 60.0
+# A recorder that crashes while its worker still runs is started again, this many times at most.
+MAX_RESTARTS = 3
+
+
+class _Recorder:
+    """The py-spy recorders of one rank's worker: one part file per start."""
+
+    def __init__(self, rank: int, pid: int) -> None:
+        self.rank = rank
+        self.pid = pid
+        self.proc: subprocess.Popen | None = None
+        self.parts: list[str] = []
+        self.logs: list[str] = []
+        self.crashes: list[int] = []     # signal numbers of recorders that died by a signal
 
 
 class Sampler:
@@ -35,46 +60,109 @@ class Sampler:
         self.format = fmt
         self.rate = rate
         self.notes: list[str] = []
-        self.proc = None
-        self._log = None
+        self.py_spy: str | None = None
+        self.root: int | None = None
+        self.out_dir = ""
+        self.session = ""
+        self.host = socket.gethostname()
+        self.recorders: dict[int, _Recorder] = {}     # worker pid -> its recorders
+        self._seen: set[str] = set()
+        self._parts_dir: str | None = None
+        self._restart = True
 
-    def start(self, pid: int) -> None:
-        py_spy = find_py_spy()
-        if py_spy is None:
+    def start(self, pid: int, out_dir: str, session: str) -> None:
+        self.py_spy = find_py_spy()
+        if self.py_spy is None:
             self.notes.append("--sample: py-spy is not installed (pip install py-spy); no profile recorded")
             return
-        self._log = tempfile.TemporaryFile(mode="w+")
-        cmd = [py_spy, "record", "--pid", str(pid), "--subprocesses", "--idle", "--native",
-               "--rate", str(self.rate), "--format", self.format, "--output", self.path]
+        self.root, self.out_dir, self.session = pid, out_dir, session
+        self._parts_dir = tempfile.mkdtemp(prefix="synccheck-sample-")
+
+    def poll(self) -> None:
+        """Attach to ranks that appeared since the last poll; restart recorders that crashed."""
+        if self.py_spy is None:
+            return
+        tree = None
+        for path in rank_files(self.out_dir):
+            if path in self._seen:
+                continue
+            meta = _read_meta(path)
+            if meta is None:
+                continue            # its first line is not written yet: look again next time
+            self._seen.add(path)
+            if meta.get("session") != self.session or meta.get("host") != self.host:
+                continue            # another run, or another node of this job (its own launcher samples it)
+            pid = int(meta.get("pid", 0))
+            if tree is None:
+                tree = set(descendants(self.root))
+            if pid in tree and pid not in self.recorders:
+                rec = self.recorders[pid] = _Recorder(int(meta["rank"]), pid)
+                self._launch(rec)
+        for rec in self.recorders.values():
+            proc = rec.proc
+            if proc is None or proc.poll() is None:
+                continue
+            rec.proc = None
+            if proc.returncode < 0:
+                rec.crashes.append(-proc.returncode)
+                if self._restart and len(rec.crashes) <= MAX_RESTARTS and _alive(rec.pid):
+                    self._launch(rec)
+
+    def _launch(self, rec: _Recorder) -> None:
+        n = len(rec.parts)
+        part = os.path.join(self._parts_dir, f"{rec.pid}.{n}.{self.format}")
+        log_path = os.path.join(self._parts_dir, f"{rec.pid}.{n}.log")
+        cmd = [self.py_spy, "record", "--pid", str(rec.pid), "--idle", "--native", "--rate", str(self.rate),
+               "--format", self.format, "--output", part]
         try:
-            # Its own session: a Ctrl-C meant for the job must not stop the recorder before it writes.
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            with open(log_path, "w") as log:
+                # Its own session: a Ctrl-C meant for the job must not stop the recorder before it writes.
+                rec.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
         except OSError as exc:
             self.notes.append(f"--sample: cannot run py-spy: {exc.strerror or exc}")
+            self.py_spy = None
+            return
+        rec.parts.append(part)
+        rec.logs.append(log_path)
 
     def finish(self, out_dir: str, session: str) -> dict | None:
-        if self.proc is None:
+        if self._parts_dir is None:
             return None
         try:
-            # py-spy stops by itself once the process it follows has exited, and then writes the file.
-            self.proc.wait(timeout=FINISH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        log = ""
-        if self._log is not None:
-            self._log.seek(0)
-            log = self._log.read()
-            self._log.close()
-        if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
-            reason = _last_error_line(log) or f"py-spy exited with {self.proc.returncode}"
-            if "permission" in log.lower() or "ptrace" in log.lower():
-                reason = "ptrace refused (run as root, or set /proc/sys/kernel/yama/ptrace_scope to 0)"
+            self.poll()             # a rank that started and ended between two polls
+            deadline = time.monotonic() + FINISH_TIMEOUT_S
+            for rec in self.recorders.values():
+                # py-spy stops by itself once the process it follows has exited, and then writes the file.
+                while rec.proc is not None:
+                    left = deadline - time.monotonic()
+                    self._restart = left > 0
+                    _wait(rec.proc, max(0.0, left))
+                    self.poll()     # a recorder that crashed before its worker exited starts again
+            return self._report(out_dir, session)
+        finally:
+            shutil.rmtree(self._parts_dir, ignore_errors=True)
+
+    def _report(self, out_dir: str, session: str) -> dict:
+        for rec in self.recorders.values():
+            if rec.crashes:
+                sigs = ", ".join(_signal_name(s) for s in rec.crashes)
+                self.notes.append(f"--sample: py-spy crashed while recording rank {rec.rank} ({sigs}); "
+                                  f"{'restarted, ' if len(rec.parts) > 1 else ''}that rank's profile has gaps")
+        parts = [(rec, part) for rec in self.recorders.values() for part in rec.parts
+                 if os.path.exists(part) and os.path.getsize(part) > 0]
+        if not parts:
+            reason = self._no_profile_reason()
             self.notes.append(f"--sample: no profile written: {reason}")
             return {"path": self.path, "format": self.format, "ranks": [], "error": reason}
+        try:
+            if self.format == "speedscope":
+                _merge_speedscope(parts, self.path)
+            else:
+                _merge_raw(parts, self.path)
+        except OSError as exc:
+            self.notes.append(f"--sample: could not write {self.path}: {exc.strerror or exc}")
+            return {"path": self.path, "format": self.format, "ranks": [], "error": str(exc)}
         ranks, _ = load_ranks(out_dir, session=session)
         pid_to_rank = {r.pid: r.rank for r in ranks}
         try:
@@ -85,14 +173,116 @@ class Sampler:
         result = []
         for pid, (samples, comm) in sorted(per_pid.items()):
             if pid not in pid_to_rank:
-                continue  # the launcher agent, mp.spawn's parent: not a rank
+                continue
             result.append({"rank": pid_to_rank[pid], "pid": pid, "samples": samples, "comm_samples": comm,
                            "comm_share": round(comm / samples, 4) if samples else None})
         result.sort(key=lambda r: r["rank"])
-        missing = sorted(set(pid_to_rank.values()) - {r["rank"] for r in result})
+        missing = sorted({rec.rank for rec in self.recorders.values()} - {r["rank"] for r in result})
         if missing:
             self.notes.append(f"--sample: no samples for rank(s) {', '.join(map(str, missing))}")
         return {"path": self.path, "format": self.format, "rate": self.rate, "ranks": result, "error": None}
+
+    def _no_profile_reason(self) -> str:
+        if not self.recorders:
+            return "no worker of the command initialised torch.distributed, so none was sampled"
+        log = ""
+        for rec in self.recorders.values():
+            for path in rec.logs:
+                try:
+                    with open(path, encoding="utf-8", errors="replace") as fh:
+                        log += fh.read()
+                except OSError:
+                    pass
+        if "permission" in log.lower() or "ptrace" in log.lower():
+            return "ptrace refused (run as root, or set /proc/sys/kernel/yama/ptrace_scope to 0)"
+        return _last_error_line(log) or "py-spy wrote no samples"
+
+
+def _read_meta(path: str) -> dict | None:
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline()
+        ev = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    if isinstance(ev, list) and len(ev) == 2 and ev[0] == "meta" and isinstance(ev[1], dict) and "pid" in ev[1]:
+        return ev[1]
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    proc.send_signal(signal.SIGINT)     # py-spy writes what it has on Ctrl-C
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _merge_speedscope(parts: list, path: str) -> None:
+    """One speedscope file from per-worker ones, named as `py-spy record --subprocesses` names them."""
+    frames: list = []
+    profiles: list = []
+    for rec, part in parts:
+        try:
+            with open(part, encoding="utf-8") as fh:
+                data = json.load(fh)
+            part_frames = data["shared"]["frames"]
+            part_profiles = data["profiles"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue                  # a recorder killed while writing: its part is lost, not the others
+        offset = len(frames)
+        frames.extend(part_frames)
+        for profile in part_profiles:
+            profile = dict(profile)
+            profile["name"] = f"Process {rec.pid} {profile.get('name', '')}"
+            profile["samples"] = [[i + offset for i in stack] for stack in profile.get("samples", [])]
+            profiles.append(profile)
+    merged = {"$schema": "https://www.speedscope.app/file-format-schema.json", "profiles": profiles,
+              "shared": {"frames": frames}, "activeProfileIndex": 0, "exporter": "synccheck profile --sample",
+              "name": "synccheck profile"}
+    _write_atomically(path, json.dumps(merged))
+
+
+def _merge_raw(parts: list, path: str) -> None:
+    """One collapsed-stack file, each line prefixed by its process as `--subprocesses` writes it."""
+    lines = []
+    for rec, part in parts:
+        try:
+            with open(part, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    if line.strip():
+                        lines.append(f'process {rec.pid}:"rank {rec.rank}";{line.rstrip()}\n')
+        except OSError:
+            continue
+    _write_atomically(path, "".join(lines))
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def _last_error_line(log: str) -> str:

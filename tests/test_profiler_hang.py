@@ -64,8 +64,8 @@ def test_healthy_job_is_not_disturbed_by_hang_timeout(tmp_path):
 @needs_py_spy
 def test_sample_reports_a_communication_share(tmp_path):
     profile = tmp_path / "profile.speedscope.json"
-    # long enough that py-spy, which finds spawned children by polling, samples both ranks' training
-    # even on a loaded machine (8 steps once gave a rank no sample at all)
+    # long enough that both ranks' training is sampled even on a loaded machine: the recorders attach when
+    # the ranks' record files appear, found by polling (8 steps once gave a rank no sample at all)
     steps = 60
     run = T.profile(tmp_path, [T.PYTHON, ACCUM, "--mode", "every", "--spawn", "--steps", str(steps)],
                     "--sample", str(profile), "--sample-rate", "50")
@@ -79,6 +79,44 @@ def test_sample_reports_a_communication_share(tmp_path):
         assert r["samples"] > 0 and 0 < r["comm_share"] <= 1
     assert run.rank(0)["grad_allreduces"] == steps * 3      # next to the all-reduce counts
     assert "share of training-thread samples in communication" in run.stderr.replace("\n", " ")
+
+
+# Dies by SIGSEGV the first time it is asked to record a given worker (as py-spy itself sometimes does),
+# then records with the real py-spy.
+_CRASHES_FIRST_RECORD_PY_SPY = """#!/bin/sh
+pid=""
+prev=""
+for arg in "$@"; do
+    [ "$prev" = "--pid" ] && pid="$arg"
+    prev="$arg"
+done
+if [ "$1" = record ] && mkdir "$FAKE_PY_SPY_STATE/crashed-$pid" 2>/dev/null; then
+    kill -SEGV $$
+fi
+exec "$REAL_PY_SPY" "$@"
+"""
+
+
+@needs_py_spy
+def test_sample_survives_a_py_spy_crash_on_every_rank(tmp_path, monkeypatch):
+    from synccheck.profiler.hang import find_py_spy
+    real = find_py_spy()
+    state = tmp_path / "state"
+    state.mkdir()
+    env = _env_with_fake_py_spy(monkeypatch, _fake_py_spy(tmp_path, _CRASHES_FIRST_RECORD_PY_SPY),
+                                REAL_PY_SPY=real, FAKE_PY_SPY_STATE=str(state))
+    profile = tmp_path / "profile.speedscope.json"
+    run = T.profile(tmp_path, T.torchrun(ACCUM, "--mode", "every", "--steps", "30", "--sleep", "0.01"),
+                    "--sample", str(profile), "--sample-rate", "50", env=env)
+    assert run.returncode == 0, run.stderr
+    assert len(list(state.iterdir())) == 2          # each rank's first recorder did crash
+    sample = run.report["sample"]
+    assert sample["error"] is None
+    ranks = {r["rank"]: r for r in sample["ranks"]}
+    assert set(ranks) == {0, 1} and all(r["samples"] > 0 for r in ranks.values())
+    stderr = run.stderr.replace("\n", " ")
+    assert "py-spy crashed while recording rank 0 (SIGSEGV); restarted" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_sample_without_py_spy_says_so_and_keeps_profiling(tmp_path):
