@@ -5,10 +5,19 @@ What DDP does at run time, and where each count comes from:
 * A DDP forward with grad enabled is a **micro-step**. DDP reads `require_backward_grad_sync` in
   `_pre_forward`/`_post_forward` (`reducer.prepare_for_backward`), never during backward, so whether the
   coming backward all-reduces is decided by the flag *at forward time*; that is what we record.
-* Every gradient bucket a synced backward produces goes through the DDP communication hook. We register
-  a counting hook at DDP construction that does exactly what DDP's built-in path does (scale by
-  1/world_size, then all-reduce SUM), so the weights stay bit-identical. DDP accepts one hook only, so a
-  hook the user registers later is routed *through* the counting hook instead of replacing it.
+* Gradient buckets are counted without touching DDP's own all-reduce. A synced forward prepares the
+  reducer; when that backward has run, the reducer is *finalized* only after every bucket's all-reduce
+  completed (`Reducer::finalize_backward` waits for them). So after a synced backward we ask the reducer
+  whether it finalized and, if so, record one all-reduce per bucket of its current layout (sizes from
+  DDP's own logging data; the layout is rebuilt once, at the second synced iteration). The check runs from
+  an autograd engine callback queued behind the reducer's own, and again at the next forward, optimizer
+  step, barrier and `destroy_process_group`, so no synced backward is missed. No comm hook means no
+  Python in the all-reduce path and no extra pass over the gradients: a Python comm hook costs 1-3% of
+  the step time of a small model (benchmarks/bench_profiler_overhead.py), the whole overhead budget.
+* `--comm-hook` (and any model whose user registers a comm hook) counts through a counting comm hook
+  instead: it does exactly what DDP's built-in path does (scale by 1/world_size, then all-reduce SUM), so
+  the weights stay bit-identical, and it times every bucket. DDP accepts one hook only, so a hook the user
+  registers is routed *through* the counting hook instead of replacing it.
 * `no_sync()` entered after a synced forward is too late: the reducer was already prepared. We note the
   `no_sync()` call site, and when the backward of a synced forward starts while the flag is off we record
   the SC102 evidence with that line.
@@ -45,6 +54,8 @@ _optimizer_index: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _in_comm_hook = 0          # >0 while a user's DDP comm hook runs: its collectives belong to the bucket
 _comm_hook_collectives = 0  # collectives issued so far inside comm hooks
 _fsdp_forward_depth = 0
+# `synccheck profile --comm-hook`: count (and time) every DDP bucket through a Python comm hook.
+COMM_HOOK = os.environ.get(R.ENV_COMM_HOOK) == "1"
 
 
 def _warn(msg: str) -> None:
@@ -99,7 +110,8 @@ class _ModelState:
     """What the counting comm hook and the forward wrapper need to know about one wrapped model."""
 
     __slots__ = ("id", "kind", "model_ref", "pg", "inv_world", "user_hook", "user_state",
-                 "last_no_sync", "__weakref__")
+                 "last_no_sync", "by_hook", "layout", "layout_final", "synced_forwards", "pending",
+                 "comm_us", "__weakref__")
 
     def __init__(self, model_id: str, kind: str, model) -> None:
         self.id = model_id
@@ -110,6 +122,12 @@ class _ModelState:
         self.user_hook = None
         self.user_state = None
         self.last_no_sync: tuple | None = None   # (t, path, line) of the latest no_sync() call
+        self.by_hook = False          # buckets counted by the counting comm hook, not from the layout
+        self.layout: list = []        # bytes of each gradient bucket, as the reducer has them now
+        self.layout_final = False     # DDP rebuilds its buckets once; after that the layout is kept
+        self.synced_forwards = 0
+        self.pending: int | None = None   # time of a synced forward whose backward is not yet counted
+        self.comm_us = 0              # DDP's own average communication time of a synced backward
 
 
 def _register_model(model, kind: str, frame) -> _ModelState:
@@ -194,9 +212,12 @@ def _patch_ddp(DDP) -> None:
         if st.user_hook is not None:
             # Keep DDP's own rule: one hook per model.
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        # The counting hook is already the reducer's hook (DDP accepts only one), so the user's hook is
+        # The counting hook becomes the reducer's hook (DDP accepts only one), and the user's hook is
         # called from inside it. Keep DDP's own bookkeeping as the original method does.
         self._check_comm_hook(hook)
+        if not st.by_hook:
+            _settle(self, st)
+            _route_through_counting_hook(self, st)
         if self.logger is not None:
             self.logger._set_comm_hook_name(hook.__qualname__)
         self._comm_hooks.append((hook, state))
@@ -223,11 +244,22 @@ def _patch_ddp(DDP) -> None:
             synced = bool(self.require_backward_grad_sync)
             t0 = R.now_us()
             path, line = user_frame(sys._getframe(1))
+            if st.pending is not None:
+                _settle(self, st)
+                st.pending = None       # a synced forward whose backward never ran all-reduced nothing
             rec.event([R.FORWARD, t0, st.id, 1 if synced else 0, path, line])
         except Exception:
             return orig_forward(self, *args, **kwargs)
         output = orig_forward(self, *args, **kwargs)
         if synced:
+            try:
+                if not st.by_hook:
+                    st.synced_forwards += 1
+                    if not st.layout_final:
+                        _read_layout(self, st)      # after _pre_forward, which may have rebuilt the buckets
+                    st.pending = t0
+            except Exception:
+                pass
             _watch_backward(self, st, output, t0)
         return output
 
@@ -253,10 +285,105 @@ def _install_counting_hook(ddp, st: _ModelState) -> None:
     world = st.pg.size()
     st.inv_world = 1.0 / world
     if ddp._comm_hooks:
-        # A hook was registered during construction (mixed precision): route it through ours. The
-        # reducer already has that hook, so it cannot get a second one; leave it uncounted.
+        # A hook was registered during construction (mixed precision): the reducer cannot get a second
+        # one, so its buckets are counted from the layout.
         return
+    if COMM_HOOK or not hasattr(ddp, "_get_ddp_logging_data"):
+        _route_through_counting_hook(ddp, st)
+
+
+def _route_through_counting_hook(ddp, st: _ModelState) -> None:
     _dist._register_comm_hook(ddp.reducer, st, _counting_comm_hook)
+    st.by_hook = True
+    st.pending = None
+
+
+# -- counting buckets from the layout ----------------------------------------------------------------
+
+_ENGINE = None
+
+
+def _read_layout(ddp, st: _ModelState) -> None:
+    """Bucket sizes and communication time from DDP's logging data (about 13 us a call).
+
+    DDP updates that data at the start of a synced forward, *before* it rebuilds its buckets (once, in
+    the second synced iteration), so the rebuilt layout shows one synced iteration late: that one
+    backward is counted in the layout before the rebuild (same bytes, maybe another bucket count)."""
+    data = ddp._get_ddp_logging_data()
+    rebuilt = bool(data.get("has_rebuilt_buckets"))
+    sizes = data.get("rebuilt_bucket_sizes") if rebuilt else data.get("bucket_sizes")
+    st.layout = [int(b) for b in str(sizes or "").split(",") if b.strip()]
+    # No rebuild at all with find_unused_parameters (unless static_graph): give up waiting after a few.
+    st.layout_final = rebuilt or st.synced_forwards >= 4
+    _read_comm_time(data, st)
+
+
+def _read_comm_time(data: dict, st: _ModelState) -> None:
+    # DDP times its sampled iterations (the first ten, then every 100th): from the launch of the first
+    # bucket's all-reduce to the end of the last one.
+    avg_ns = data.get("avg_backward_comm_time")
+    if isinstance(avg_ns, int) and avg_ns > 0:
+        st.comm_us = avg_ns // 1000
+
+
+def _settle(ddp, st: _ModelState) -> bool:
+    """Count the buckets of the pending synced backward if the reducer has finished it.
+
+    True when nothing is pending any more."""
+    if st.pending is None:
+        return True
+    try:
+        ddp.reducer._check_reducer_finalized()
+    except Exception:
+        return False        # its backward has not run (yet): nothing was all-reduced
+    st.pending = None
+    t = R.now_us()
+    layout = st.layout
+    if layout:
+        # The backward's communication time as DDP measures it, shared out over its buckets.
+        dur = st.comm_us // len(layout)
+        start = t - st.comm_us
+        for n_bytes in layout:
+            rec.event([R.BUCKET, start, dur, st.id, n_bytes, 1])
+            start += dur
+    return True
+
+
+def _refresh_comm_times() -> None:
+    for model, st in list(_models.items()):
+        if st.kind == "ddp" and not st.by_hook and st.layout_final:
+            try:
+                _read_comm_time(model._get_ddp_logging_data(), st)
+            except Exception:
+                pass
+
+
+def _settle_all() -> None:
+    for model, st in list(_models.items()):
+        if st.pending is not None:
+            try:
+                _settle(model, st)
+            except Exception:
+                pass
+
+
+def _settle_after_backward(ddp_ref, st: _ModelState) -> None:
+    """Queue a check behind the reducer's own end-of-backward callback (which waits for the all-reduces).
+
+    Called while the backward runs, before the reducer queued its callback (it does so when the first
+    gradient of the model is ready): the engine runs final callbacks in order, including those queued
+    by a callback, so the second hop lands after the reducer's."""
+    engine = _ENGINE
+
+    def check():
+        try:
+            model = ddp_ref()
+            if model is not None:
+                _settle(model, st)
+        except Exception:
+            pass
+
+    engine.queue_callback(lambda: engine.queue_callback(check))
 
 
 def _first_grad_tensor(output, depth: int = 0):
@@ -292,6 +419,11 @@ def _watch_backward(ddp, st: _ModelState, output, t_forward: int) -> None:
         if fired:
             return None
         fired.append(True)
+        try:
+            if st.pending == t_forward:
+                _settle_after_backward(ddp_ref, st)
+        except Exception:
+            pass
         try:
             model = ddp_ref()
             if model is None or model.require_backward_grad_sync or not rec.active:
@@ -418,7 +550,11 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
         idx = _optimizer_index.get(optimizer)
         if idx is None:
             idx = _optimizer_index[optimizer] = len(_optimizer_index)
-        checksum = _param_checksum() if _checksum_due(n) else None
+        _settle_all()
+        checksum = None
+        if _checksum_due(n):
+            checksum = _param_checksum()
+            _refresh_comm_times()
         path, line = user_frame(sys._getframe(1))
         rec.event([R.STEP, R.now_us(), n, idx, path, line, checksum])
         rec.flush()
@@ -549,6 +685,7 @@ def _wrap_collective(name: str, fn):
 
 def _flush_quietly() -> None:
     try:
+        _settle_all()
         rec.flush()
     except Exception:
         pass
@@ -633,6 +770,8 @@ def install(when_imported=None) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_post_hook
     _dist = dist
+    global _ENGINE
+    _ENGINE = torch.autograd.Variable._execution_engine
     _patch_ddp(DistributedDataParallel)
     _patch_collectives(dist)
     _patch_init_process_group(dist)

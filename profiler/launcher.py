@@ -43,6 +43,7 @@ class ProfileOptions:
     sample_path: str | None = None
     sample_format: str = "speedscope"
     sample_rate: int = 100
+    comm_hook: bool = False
 
 
 @dataclass
@@ -104,8 +105,11 @@ def check_output_path(path: str | None, option: str) -> None:
         raise UsageError(f"cannot write {option} {path}: it is a folder")
 
 
-def child_env(out_dir: str, session: str) -> dict:
+def child_env(out_dir: str, session: str, comm_hook: bool = False) -> dict:
     env = dict(os.environ)
+    env.pop(R.ENV_COMM_HOOK, None)
+    if comm_hook:
+        env[R.ENV_COMM_HOOK] = "1"
     existing = env.get("PYTHONPATH")
     # First on the path, so *our* sitecustomize is the one Python imports; it chains to the original.
     env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + existing if existing else "")
@@ -126,7 +130,7 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     check_output_path(opts.trace_path, "--trace")
     check_output_path(opts.sample_path, "--sample")
     session = uuid.uuid4().hex[:12]
-    env = child_env(out_dir, session)
+    env = child_env(out_dir, session, opts.comm_hook)
 
     command = opts.command
 

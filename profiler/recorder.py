@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 # Environment set by the launcher (`synccheck profile`); a worker without them records nothing.
 ENV_OUT = "SYNCCHECK_PROFILE_OUT"
 ENV_SESSION = "SYNCCHECK_PROFILE_SESSION"
+ENV_COMM_HOOK = "SYNCCHECK_PROFILE_COMM_HOOK"
 
 # Event kinds (first element of every record line). Kept short: a line is written per micro-step.
 META = "meta"       # ["meta", {...}]                                   once, first line
@@ -42,6 +43,10 @@ PROGRESS_KINDS = frozenset({FORWARD, BUCKET, COLLECTIVE, STEP})
 
 FLUSH_INTERVAL_S = 0.5
 BLOCKED_AFTER_S = 1.0
+
+
+# One encoder for every flush: json.dumps with non-default separators builds a new one per call.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def now_us() -> int:
@@ -164,7 +169,7 @@ class Recorder:
             chunk = buf[:n]
             # Delete exactly what was taken: events appended meanwhile by another thread stay queued.
             del buf[:n]
-            data = "".join(json.dumps(ev, separators=(",", ":")) + "\n" for ev in chunk).encode()
+            data = "".join(_encode(ev) + "\n" for ev in chunk).encode()
             self._write(data)
 
     def _write(self, data: bytes) -> None:

@@ -92,8 +92,44 @@ def test_weights_bit_identical_with_and_without_profiler(every_run, tmp_path):
     for key in plain:
         a, b = plain[key], profiled[key]
         assert a.dtype == b.dtype and a.shape == b.shape
-        # Bitwise, not allclose: the counting comm hook must do exactly what DDP does without a hook.
+        # Bitwise, not allclose: profiling must not change what DDP computes.
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), key
+
+
+def test_comm_hook_mode_counts_the_same_times_every_bucket_and_keeps_the_weights(every_run, tmp_path):
+    # --comm-hook: every bucket goes through the counting comm hook instead of being counted from DDP's
+    # layout. Same counts, a measured time per bucket, and the same weights bit for bit as the default
+    # run, in which DDP has no hook at all.
+    import torch
+    weights = tmp_path / "weights.pt"
+    run = T.profile(tmp_path, T.torchrun(ACCUM, "--mode", "every", "--save", str(weights)), "--comm-hook")
+    assert run.returncode == 0, run.stderr
+    assert_counts(run, synced_per_step=MICRO)
+    assert run.codes() == ["SC101"]
+    for r in (0, 1):
+        assert run.rank(r)["allreduce_time_s"] > 0
+    hooked, default = torch.load(weights), torch.load(every_run.tmp / "weights.pt")
+    for key in default:
+        assert torch.equal(hooked[key].view(torch.int32), default[key].view(torch.int32)), key
+
+
+def test_buckets_counted_when_the_backward_never_reaches_the_first_output(tmp_path):
+    # The model returns (aux, prediction) and the loss ignores aux: the end-of-backward check that hangs
+    # on the first output never fires, so the optimizer step must find the finished reduction itself.
+    run = T.profile(tmp_path, T.torchrun(ACCUM, "--mode", "correct", "--aux-output"))
+    assert run.returncode == 0, run.stderr
+    assert_counts(run, synced_per_step=1)
+    assert run.codes() == []
+    # ... and records the bucket before the step it belongs to, not after it.
+    for events in T.read_records(run.out_dir).values():
+        buckets_per_step, n = [], 0
+        for ev in events:
+            if ev[0] == "bkt":
+                n += 1
+            elif ev[0] == "step":
+                buckets_per_step.append(n)
+                n = 0
+        assert buckets_per_step == [1] * STEPS
 
 
 def test_no_sync_around_backward_only_is_sc102_with_its_line(tmp_path):

@@ -30,13 +30,36 @@ def parse():
     p.add_argument("--save", default="", help="rank 0 writes the final weights here")
     p.add_argument("--hook-count", default="", help="each rank writes its user-hook call count here")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep per micro-step")
+    p.add_argument("--aux-output", action="store_true",
+                   help="the model returns (aux, prediction) and the loss ignores aux, whose grad never flows")
     return p.parse_args()
+
+
+class AuxOutput(nn.Module):
+    """Returns (aux, prediction): aux requires grad but no loss uses it, so no gradient ever reaches it."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return torch.ones(1, requires_grad=True) * 2.0, self.net(x)
 
 
 def train(rank, world_size, args):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if args.aux_output:
+        model = AuxOutput(model)
     ddp = DDP(model)
+    if args.aux_output:
+        model = model.net          # --save writes the same keys either way
+        forward = ddp
+
+        def ddp_prediction(x):
+            return forward(x)[1]
+    else:
+        ddp_prediction = ddp
     calls = [0]
     if args.hook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -58,10 +81,10 @@ def train(rank, world_size, args):
         y = torch.randn(8, 4, generator=gen)
         boundary = (i + 1) % args.accum == 0
         if args.mode == "every":
-            loss = nn.functional.mse_loss(ddp(x), y) / args.accum
+            loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
             loss.backward()
         elif args.mode == "backward_only":
-            loss = nn.functional.mse_loss(ddp(x), y) / args.accum
+            loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
             if not boundary:
                 with ddp.no_sync():  # LATE-NO-SYNC
                     loss.backward()
@@ -69,18 +92,18 @@ def train(rank, world_size, args):
                 loss.backward()
         elif args.mode == "correct":
             with (ddp.no_sync() if not boundary else nullcontext()):
-                loss = nn.functional.mse_loss(ddp(x), y) / args.accum
+                loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
                 loss.backward()
         elif args.mode in ("all_nosync", "local_sgd"):
             with ddp.no_sync():
-                loss = nn.functional.mse_loss(ddp(x), y) / args.accum
+                loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
                 loss.backward()
         elif args.mode == "boundary_nosync":
             with (ddp.no_sync() if boundary else nullcontext()):
-                loss = nn.functional.mse_loss(ddp(x), y) / args.accum
+                loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
                 loss.backward()
         elif args.mode == "flag_late":
-            loss = nn.functional.mse_loss(ddp(x), y) / args.accum
+            loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
             ddp.require_backward_grad_sync = boundary
             loss.backward()  # FLAG-LATE-BACKWARD
             ddp.require_backward_grad_sync = True
