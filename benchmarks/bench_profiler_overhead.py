@@ -5,7 +5,8 @@
 Each pair runs the same torchrun job twice, once plain and once under `synccheck profile`, in alternating
 order (so drift of the machine hits both sides alike). Inside the job, rank 0 times every optimizer step
 after a warm-up and reports the median, so start-up costs (torch import, the bootstrap) are not part of
-the step time. The median of the per-pair ratios profiled/plain is printed.
+the step time. The median of the per-pair ratios profiled/plain is printed. `--comm-hook` also measures
+`synccheck profile --comm-hook` (every bucket through a Python comm hook) the same way.
 
 The job itself is gradient accumulation done right (no_sync on the non-boundary micro-steps, so one
 synced micro-step per optimizer step) on an MLP of about 1.3 M parameters (one 5 MB gradient bucket set):
@@ -121,14 +122,15 @@ def _median_ci(values: list, level: float = 0.95) -> tuple:
     return (xs[k - 1], xs[n - k])
 
 
-def run_job(args, profiled: bool, out_root: str, in_job: bool = False) -> dict:
+def run_job(args, profiled: bool, out_root: str, in_job: bool = False, comm_hook: bool = False) -> dict:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     job = [torchrun, "--standalone", "--nproc_per_node=2", str(HERE), "--worker",
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
            "--batch", str(args.batch), "--accum", str(args.accum), "--rounds", str(args.rounds)] + (["--in-job"] if in_job else [])
     if profiled:
         out = tempfile.mkdtemp(dir=out_root)
-        cmd = [sys.executable, "-m", "synccheck", "profile", "--out", out, "--", *job]
+        cmd = [sys.executable, "-m", "synccheck", "profile", "--out", out, *(["--comm-hook"] if comm_hook else []),
+               "--", *job]
     else:
         cmd = job
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -153,6 +155,8 @@ def main() -> None:
                    help="in-job A/B: rounds of one plain and one profiled step")
     p.add_argument("--no-in-job-check", dest="in_job_check", action="store_false",
                    help="skip the in-job A/B comparison printed after the interleaved pairs")
+    p.add_argument("--comm-hook", action="store_true",
+                   help="also measure `synccheck profile --comm-hook` (buckets counted by a Python comm hook)")
     p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON (for benchmarks/run.py)")
     args = p.parse_args()
     if args.worker:
@@ -186,13 +190,22 @@ def main() -> None:
         print(f"in-job A/B ({args.rounds} rounds of one step a side): plain {r['plain'] * 1e3:.2f} ms/step, "
               f"profiled {r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
               f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
+    comm_hook = None
+    if args.comm_hook:
+        with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
+            r = run_job(args, True, out_root, in_job=True, comm_hook=True)
+        comm_hook = {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"],
+                     "ratio": r["ratio"], "ci": r["ci"]}
+        print(f"in-job A/B with --comm-hook: plain {r['plain'] * 1e3:.2f} ms/step, profiled "
+              f"{r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
+              f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
     headline = in_job["ratio"] if in_job else median
     if headline is not None:
         print(f"overhead {'met' if headline <= 1.02 else 'NOT met'} (target <= 1.02): {headline:.4f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"steps": args.steps, "width": args.width, "pairs": pairs, "median_ratio": median,
-                       "median_ci": ci, "in_job": in_job}, fh, indent=1)
+                       "median_ci": ci, "in_job": in_job, "in_job_comm_hook": comm_hook}, fh, indent=1)
 
 
 if __name__ == "__main__":

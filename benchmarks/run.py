@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "lint": ("bench_lint.py", ["--repeat", "1"], ["--repeat", "3"]),
     "overhead": ("bench_profiler_overhead.py",
-                 ["--pairs", "1", "--steps", "15", "--rounds", "40"], []),
+                 ["--pairs", "1", "--steps", "15", "--rounds", "40"], ["--comm-hook"]),
     "accumulate": ("bench_accumulate.py", ["--rounds", "3", "--steps", "3"], []),
 }
 
@@ -109,6 +109,12 @@ def overhead_rows(data: dict) -> list[tuple[str, str, str]]:
         r = data["in_job"]
         rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
                      f"same, A/B inside one job (median of {r['rounds']} rounds of one step a side)",
+                     f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}; "
+                     f"{r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
+    if data.get("in_job_comm_hook"):
+        r = data["in_job_comm_hook"]
+        rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
+                     "same, with `--comm-hook` (every bucket through a Python comm hook)",
                      f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}; "
                      f"{r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
     return rows
