@@ -30,6 +30,7 @@ def parse():
     p.add_argument("--save", default="", help="rank 0 writes the final weights here")
     p.add_argument("--hook-count", default="", help="each rank writes its user-hook call count here")
     p.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep per micro-step")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU of LOCAL_RANK over NCCL (torchrun only)")
     p.add_argument("--aux-output", action="store_true",
                    help="the model returns (aux, prediction) and the loss ignores aux, whose grad never flows")
     return p.parse_args()
@@ -43,12 +44,14 @@ class AuxOutput(nn.Module):
         self.net = net
 
     def forward(self, x):
-        return torch.ones(1, requires_grad=True) * 2.0, self.net(x)
+        return torch.ones(1, device=x.device, requires_grad=True) * 2.0, self.net(x)
 
 
 def train(rank, world_size, args):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
+    model = model.to(device)
     if args.aux_output:
         model = AuxOutput(model)
     ddp = DDP(model)
@@ -77,8 +80,8 @@ def train(rank, world_size, args):
     gen = torch.Generator().manual_seed(100 + rank)   # every rank sees different data
     n_micro = args.steps * args.accum
     for i in range(n_micro):
-        x = torch.randn(8, 16, generator=gen)
-        y = torch.randn(8, 4, generator=gen)
+        x = torch.randn(8, 16, generator=gen).to(device)
+        y = torch.randn(8, 4, generator=gen).to(device)
         boundary = (i + 1) % args.accum == 0
         if args.mode == "every":
             loss = nn.functional.mse_loss(ddp_prediction(x), y) / args.accum
@@ -147,6 +150,6 @@ if __name__ == "__main__":
         import torch.multiprocessing as mp
         mp.spawn(spawn_worker, args=(2, free_port(), args), nprocs=2)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if args.cuda else "gloo")
         train(dist.get_rank(), dist.get_world_size(), args)
         os._exit(0)
