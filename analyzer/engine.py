@@ -5,6 +5,7 @@ pool when enough files need parsing to pay for one.
 """
 from __future__ import annotations
 
+import gc
 import os
 from typing import Iterable, Optional, Sequence
 
@@ -293,7 +294,25 @@ def _lint(paths, codes, gates, pool, is_excluded, cache, ignored_codes) -> LintR
 
 
 def _analyse(args) -> tuple:
-    """(findings, file errors, parsed?) for one file: raw bytes of a .py, or a notebook's joined text."""
+    """(findings, file errors, parsed?) for one file: raw bytes of a .py, or a notebook's joined text.
+
+    The cyclic garbage collector is off while one file is analysed. Building the ast and libcst
+    trees allocates hundreds of thousands of objects that all stay alive until the file is done, so
+    every collection the allocations trigger (one per 700) scans them and frees nothing: ~20% of
+    the time on torch's big files. The finished analysis is left in reference cycles (the model
+    points back into its trees); the first collection after the collector is back on frees it, so
+    memory still peaks at one file's trees.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyse_one(args)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _analyse_one(args) -> tuple:
     path, payload, codes = args
     rules = [BY_CODE[c] for c in codes]
     if isinstance(payload, bytes):
