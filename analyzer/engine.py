@@ -299,9 +299,10 @@ def _analyse(args) -> tuple:
     The cyclic garbage collector is off while one file is analysed. Building the ast and libcst
     trees allocates hundreds of thousands of objects that all stay alive until the file is done, so
     every collection the allocations trigger (one per 700) scans them and frees nothing: ~20% of
-    the time on torch's big files. The finished analysis is left in reference cycles (the model
-    points back into its trees); the first collection after the collector is back on frees it, so
-    memory still peaks at one file's trees.
+    the time on torch's big files. The analysis must not leave its trees in reference cycles (a
+    recursive closure that reaches the model is one: delete it after use), so that reference
+    counting frees them as soon as the file is done; freeing torch's distributed_test.py through
+    the collector instead took a tenth of its analysis. tests/test_lint_memory.py checks both.
     """
     enabled = gc.isenabled()
     gc.disable()

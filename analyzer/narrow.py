@@ -172,6 +172,7 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
                 blank(_first_line(node), node.end_lineno, node.col_offset)
 
     visit(tree.body)
+    del visit    # a recursive closure's cycle through its own cell (see engine._analyse)
     # Siblings dropped one after another need one ``...`` between them, not one each with blank lines.
     previous = None
     for i, line in enumerate(out):
