@@ -164,7 +164,7 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     codes = tuple(r.code for r in rules)
     gates = tuple({g.encode() for r in rules for g in r.gate()})
     paths = list(paths)
-    jobs = jobs if jobs is not None else (os.cpu_count() or 1)
+    jobs = jobs if jobs is not None else _usable_cpus()
     cache = None
     if cache_dir is not None:
         from synccheck.analyzer.cache import Cache
@@ -179,6 +179,15 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
         return _lint(paths, codes, gates, pool, is_excluded, cache, ignored_codes)
     finally:
         pool.close()
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on: under ``taskset`` or a container's CPU set, os.cpu_count()
+    counts the whole machine, and a worker per core there would only take turns on the few allowed."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):     # not on Linux
+        return os.cpu_count() or 1
 
 
 class _Pool:
