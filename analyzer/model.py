@@ -933,6 +933,7 @@ def _assigned_names(fdef: cst.FunctionDef) -> set:
                         visit(_block(handler.body))
 
     visit(_block(fdef.body))
+    del visit    # the recursive closure's cycle through its own cell (see engine._analyse)
     return names
 
 
@@ -1008,23 +1009,25 @@ def _calls(expr) -> list:
     if expr is None:
         return []
     out: list = []
-
-    def walk(node) -> None:
-        if type(node) in _LEAVES:
-            return
-        for name in _fields(node):
-            value = getattr(node, name)
-            if _is_node(value):
-                walk(value)
-            elif isinstance(value, (list, tuple)):
-                for item in value:
-                    if _is_node(item):
-                        walk(item)
-        if type(node) is cst.Call:
-            out.append(node)
-
-    walk(expr)
+    _walk_calls(expr, out)
     return out
+
+
+def _walk_calls(node, out: list) -> None:
+    # A module-level function, not a closure: a recursive closure refers to itself through its cell,
+    # a reference cycle that only the cyclic collector frees (see engine._analyse).
+    if type(node) in _LEAVES:
+        return
+    for name in _fields(node):
+        value = getattr(node, name)
+        if _is_node(value):
+            _walk_calls(value, out)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if _is_node(item):
+                    _walk_calls(item, out)
+    if type(node) is cst.Call:
+        out.append(node)
 
 
 _LEAVES = frozenset((cst.Lambda, cst.SimpleString, cst.Name, cst.Integer, cst.Float))

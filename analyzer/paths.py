@@ -423,6 +423,10 @@ class Walker:
                     visit(n.body, inside_gate)
 
         visit(nodes, False)
+        # The recursive closure refers to itself through its cell, and to self: left alone, that cycle
+        # would keep this walker, the module's model and its libcst tree for the cyclic collector,
+        # which engine._analyse keeps off while a file is analysed.
+        del visit
         if self.last_atom:
             self.gate_atoms.add(self.last_atom)
 

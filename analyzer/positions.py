@@ -73,6 +73,7 @@ def _twins(model, tree: ast.Module) -> dict:
                 collect(node.body, class_name)
 
     collect(tree.body, None)
+    del collect    # a recursive closure's cycle through its own cell would hold ast_defs (see engine._analyse)
     for qual, (fdef, _) in model.defs.items():
         twin = ast_defs.get(qual)
         if twin is not None:

@@ -190,6 +190,10 @@ class CollectiveInRankBranch(Rule):
 
         for function in ctx.model.functions:
             visit(function.body)
+        # Recursive closures refer to themselves through their cells; ``visit`` also holds ctx, and so
+        # the model and its trees: break the cycles so that reference counting frees them
+        # (engine._analyse keeps the cyclic collector off while a file is analysed).
+        del visit, collectives
 
     def _report(self, ctx, node, what, inlined, branch):
         test = ctx.model.code(branch.test).strip()
