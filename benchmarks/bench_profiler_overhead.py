@@ -70,6 +70,9 @@ def worker(args) -> None:
         # through). Each round runs one step of each, in alternating order, and keeps the ratio of the
         # two: the load of a shared machine drifts over tenths of a second, far slower than one round.
         from synccheck.profiler import hooks
+        # --aa: both models plain (the recorder never on), so the same harness measures its own bias and
+        # noise floor: two identical models built one after the other need not run at the same speed.
+        hooks.rec.active = not args.aa
         profiled = build()
         hooks.rec.active = False
         plain = build()
@@ -79,7 +82,7 @@ def worker(args) -> None:
         for rnd in range(args.warmup + args.rounds):
             t = {}
             for name in (("profiled", "plain") if rnd % 2 else ("plain", "profiled")):
-                hooks.rec.active = name == "profiled"
+                hooks.rec.active = name == "profiled" and not args.aa
                 t[name] = step(*(profiled if name == "profiled" else plain))
             if rnd >= args.warmup:
                 ratios.append(t["profiled"] / t["plain"])
@@ -122,11 +125,12 @@ def _median_ci(values: list, level: float = 0.95) -> tuple:
     return (xs[k - 1], xs[n - k])
 
 
-def run_job(args, profiled: bool, out_root: str, in_job: bool = False, comm_hook: bool = False) -> dict:
+def run_job(args, profiled: bool, out_root: str, in_job: bool = False, comm_hook: bool = False,
+            aa: bool = False) -> dict:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun"
     job = [torchrun, "--standalone", "--nproc_per_node=2", str(HERE), "--worker",
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--width", str(args.width),
-           "--batch", str(args.batch), "--accum", str(args.accum), "--rounds", str(args.rounds)] + (["--in-job"] if in_job else [])
+           "--batch", str(args.batch), "--accum", str(args.accum), "--rounds", str(args.rounds)] + (["--in-job"] if in_job else []) + (["--aa"] if aa else [])
     if profiled:
         out = tempfile.mkdtemp(dir=out_root)
         cmd = [sys.executable, "-m", "synccheck", "profile", "--out", out, *(["--comm-hook"] if comm_hook else []),
@@ -151,6 +155,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--in-job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--aa", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-aa", dest="calibrate", action="store_false",
+                   help="skip the A/A run (both models plain) that shows the in-job harness's own bias")
     p.add_argument("--rounds", type=int, default=200,
                    help="in-job A/B: rounds of one plain and one profiled step")
     p.add_argument("--no-in-job-check", dest="in_job_check", action="store_false",
@@ -190,6 +197,15 @@ def main() -> None:
         print(f"in-job A/B ({args.rounds} rounds of one step a side): plain {r['plain'] * 1e3:.2f} ms/step, "
               f"profiled {r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
               f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
+    aa = None
+    if args.in_job_check and args.calibrate:
+        with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
+            r = run_job(args, True, out_root, in_job=True, aa=True)
+        aa = {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"],
+              "ratio": r["ratio"], "ci": r["ci"]}
+        print(f"in-job A/A, both models plain (the harness's own bias): {r['plain'] * 1e3:.2f} vs "
+              f"{r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
+              f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
     comm_hook = None
     if args.comm_hook:
         with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
@@ -205,7 +221,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"steps": args.steps, "width": args.width, "pairs": pairs, "median_ratio": median,
-                       "median_ci": ci, "in_job": in_job, "in_job_comm_hook": comm_hook}, fh, indent=1)
+                       "median_ci": ci, "in_job": in_job, "in_job_aa": aa, "in_job_comm_hook": comm_hook},
+                      fh, indent=1)
 
 
 if __name__ == "__main__":

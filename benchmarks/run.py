@@ -111,6 +111,11 @@ def overhead_rows(data: dict) -> list[tuple[str, str, str]]:
                      f"same, A/B inside one job (median of {r['rounds']} rounds of one step a side)",
                      f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}; "
                      f"{r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
+    if data.get("in_job_aa"):
+        r = data["in_job_aa"]
+        rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
+                     "same harness, A/A: both models plain (its own bias and noise)",
+                     f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})"))
     if data.get("in_job_comm_hook"):
         r = data["in_job_comm_hook"]
         rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
