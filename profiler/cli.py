@@ -46,8 +46,9 @@ def _profile_parser() -> argparse.ArgumentParser:
                    help="after a hang, seconds between SIGTERM and SIGKILL (default 5)")
     p.add_argument("--comm-hook", action="store_true",
                    help="count every DDP gradient bucket through a Python comm hook, which also times each "
-                        "all-reduce (costs about 1-3%% of a small model's step time; by default buckets are "
-                        "counted from DDP's bucket layout after each synced backward, at no measurable cost)")
+                        "all-reduce (a Python call and an extra pass over each bucket; by default buckets are "
+                        "counted from DDP's bucket layout after each synced backward, and DDP keeps its own "
+                        "C++ all-reduce)")
     p.add_argument("--sample", metavar="PATH", dest="sample_path",
                    help="record every worker with py-spy into PATH and report the share of samples spent in "
                         "communication per rank")
