@@ -145,6 +145,15 @@ def run_job(args, profiled: bool, out_root: str, in_job: bool = False, comm_hook
     raise SystemExit(f"benchmark job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+def in_job_ab(args, label: str, **mode) -> dict:
+    with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
+        r = run_job(args, True, out_root, in_job=True, **mode)
+    print(f"{label}: plain {r['plain'] * 1e3:.2f} ms/step, profiled {r['profiled'] * 1e3:.2f} ms/step, "
+          f"median ratio {r['ratio']:.4f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
+    return {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"], "ratio": r["ratio"],
+            "ci": r["ci"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -186,35 +195,15 @@ def main() -> None:
         median, ci = statistics.median(ratios), _median_ci(ratios)
         print(f"median step-time ratio profiled/plain over {args.pairs} interleaved job pairs: {median:.4f} "
               f"(95% CI {ci[0]:.3f}-{ci[1]:.3f})")
-    in_job = None
+    in_job = aa = comm_hook = None
     if args.in_job_check:
         # Job-to-job variation on a shared 2-core machine is often larger than 2%, and the load drifts
         # within a job too; alternating single steps inside one job cancels both.
-        with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
-            r = run_job(args, True, out_root, in_job=True)
-        in_job = {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"],
-                  "ratio": r["ratio"], "ci": r["ci"]}
-        print(f"in-job A/B ({args.rounds} rounds of one step a side): plain {r['plain'] * 1e3:.2f} ms/step, "
-              f"profiled {r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
-              f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
-    aa = None
-    if args.in_job_check and args.calibrate:
-        with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
-            r = run_job(args, True, out_root, in_job=True, aa=True)
-        aa = {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"],
-              "ratio": r["ratio"], "ci": r["ci"]}
-        print(f"in-job A/A, both models plain (the harness's own bias): {r['plain'] * 1e3:.2f} vs "
-              f"{r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
-              f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
-    comm_hook = None
+        in_job = in_job_ab(args, f"in-job A/B ({args.rounds} rounds of one step a side)")
+        if args.calibrate:
+            aa = in_job_ab(args, "in-job A/A, both models plain (the harness's own bias)", aa=True)
     if args.comm_hook:
-        with tempfile.TemporaryDirectory(prefix="synccheck-bench-") as out_root:
-            r = run_job(args, True, out_root, in_job=True, comm_hook=True)
-        comm_hook = {"rounds": args.rounds, "plain_s": r["plain"], "profiled_s": r["profiled"],
-                     "ratio": r["ratio"], "ci": r["ci"]}
-        print(f"in-job A/B with --comm-hook: plain {r['plain'] * 1e3:.2f} ms/step, profiled "
-              f"{r['profiled'] * 1e3:.2f} ms/step, median ratio {r['ratio']:.4f} "
-              f"(95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})")
+        comm_hook = in_job_ab(args, "in-job A/B with --comm-hook", comm_hook=True)
     headline = in_job["ratio"] if in_job else median
     if headline is not None:
         print(f"overhead {'met' if headline <= 1.02 else 'NOT met'} (target <= 1.02): {headline:.4f}")

@@ -81,16 +81,20 @@ def test_sample_reports_a_communication_share(tmp_path):
     assert "share of training-thread samples in communication" in run.stderr.replace("\n", " ")
 
 
-# Dies by SIGSEGV the first time it is asked to record a given worker (as py-spy itself sometimes does),
-# then records with the real py-spy.
-_CRASHES_FIRST_RECORD_PY_SPY = """#!/bin/sh
-pid=""
+# Shell lines that set $pid to the value of a fake py-spy's --pid argument.
+_PID_ARG = """pid=""
 prev=""
 for arg in "$@"; do
     [ "$prev" = "--pid" ] && pid="$arg"
     prev="$arg"
 done
-if [ "$1" = record ] && mkdir "$FAKE_PY_SPY_STATE/crashed-$pid" 2>/dev/null; then
+"""
+
+
+# Dies by SIGSEGV the first time it is asked to record a given worker (as py-spy itself sometimes does),
+# then records with the real py-spy.
+_CRASHES_FIRST_RECORD_PY_SPY = """#!/bin/sh
+""" + _PID_ARG + """if [ "$1" = record ] && mkdir "$FAKE_PY_SPY_STATE/crashed-$pid" 2>/dev/null; then
     kill -SEGV $$
 fi
 exec "$REAL_PY_SPY" "$@"
@@ -159,13 +163,7 @@ exit 1
 # Kills the first process it is asked to dump (SIGKILL, then waits until it is gone or a zombie) and fails
 # the way py-spy does on a process that is no longer there; dumps any other process with the real py-spy.
 _KILLS_FIRST_PY_SPY = """#!/bin/sh
-pid=""
-prev=""
-for arg in "$@"; do
-    [ "$prev" = "--pid" ] && pid="$arg"
-    prev="$arg"
-done
-if [ -n "$pid" ] && mkdir "$FAKE_PY_SPY_STATE/killed" 2>/dev/null; then
+""" + _PID_ARG + """if [ -n "$pid" ] && mkdir "$FAKE_PY_SPY_STATE/killed" 2>/dev/null; then
     echo "$pid" > "$FAKE_PY_SPY_STATE/killed/pid"
     kill -9 "$pid"
     i=0
