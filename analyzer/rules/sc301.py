@@ -6,7 +6,9 @@ RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process
                   r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
                   r"is_local_process_zero|main_process)(?!\w)")
 RANK_TEST = re.compile(RANK_TEST_TEXT)
-RANK_WORDS = ("rank", "main_process", "is_master", "global_zero", "process_zero")
+# Substrings that between them cover every name RANK_TEST accepts ("master" for nanoGPT's `master_process`
+# as well as `is_master`): the text pre-check looks for these before any regex runs.
+RANK_WORDS = ("rank", "main_process", "master", "global_zero", "process_zero")
 CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.")
 
 
@@ -137,6 +139,14 @@ class CollectiveInRankBranch(Rule):
         if accelerator.is_main_process:
             accelerator.save_model(model, "out")
             accelerator.wait_for_everyone()  # SC301
+    """, """
+        import os
+        import torch.distributed as dist
+
+        master_process = int(os.environ["RANK"]) == 0   # nanoGPT's name
+        if master_process:
+            os.makedirs(out_dir, exist_ok=True)
+            dist.barrier()  # SC301
     """)
     VALID = ("""
         import torch.distributed as dist
