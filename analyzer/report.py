@@ -18,7 +18,14 @@ def _where(f) -> str:
     return f"{f.path}:{f.line}:{f.column}{cell}"
 
 
-def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: bool = False) -> None:
+def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: bool = False,
+           err: TextIO = sys.stderr) -> None:
+    """`statistics`: as ruff, the count per code replaces the findings in the text formats; with a
+    machine-readable format the report stays whole on `out` and the counts go to `err`."""
+    if statistics and fmt in ("full", "concise"):
+        _statistics(result, out)
+        _summary_plain(result, out)
+        return
     if fmt == "json":
         out.write(json.dumps(to_json(result), indent=2) + "\n")
     elif fmt == "sarif":
@@ -40,7 +47,7 @@ def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: b
     else:
         _full(result, out)
     if statistics:
-        _statistics(result, out)
+        _statistics(result, err)
 
 
 def _summary_plain(result: LintResult, out: TextIO) -> None:

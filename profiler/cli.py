@@ -83,6 +83,9 @@ def profile_main(argv: list[str]) -> int:
     if ns.hang_timeout is not None and ns.hang_timeout <= 0:
         _err("--hang-timeout must be a positive number of seconds")
         return 2
+    if ns.sample_rate <= 0:
+        _err("--sample-rate must be a positive number of samples per second")
+        return 2
     from synccheck.profiler.launcher import ProfileOptions, UsageError, run
 
     opts = ProfileOptions(command=command, out_dir=ns.out, json_path=ns.json_path, trace_path=ns.trace_path,
@@ -126,16 +129,24 @@ def _report_run(opts, result) -> int:
         from synccheck.profiler.sample import print_sample
         print_sample(result.sample, console)
     render.print_report(report, console, exit_code=result.exit_code, out_dir=result.out_dir,
-                        headline_notes=headline)
+                        headline_notes=headline, hang=result.hang)
     extra = {"hang": result.hang, "sample": result.sample, "interrupted": result.interrupted,
              "session": result.session}
+    # The job has run: a report that cannot be written now is said in one line, and the command's own
+    # exit code still comes back (the records stay in out_dir for `synccheck report`).
     if opts.json_path:
-        render.write_json(opts.json_path, render.to_json(report, exit_code=result.exit_code,
-                                                         command=opts.command, out_dir=result.out_dir,
-                                                         extra=extra))
+        try:
+            render.write_json(opts.json_path, render.to_json(report, exit_code=result.exit_code,
+                                                             command=opts.command, out_dir=result.out_dir,
+                                                             extra=extra))
+        except OSError as exc:
+            _err(f"cannot write --json {opts.json_path}: {exc.strerror or exc}")
     if opts.trace_path:
         from synccheck.profiler.trace import write_trace
-        write_trace(opts.trace_path, ranks)
+        try:
+            write_trace(opts.trace_path, ranks)
+        except OSError as exc:
+            _err(f"cannot write --trace {opts.trace_path}: {exc.strerror or exc}")
     if opts.strict and result.exit_code == 0 and report.findings:
         return 1
     return result.exit_code

@@ -330,7 +330,8 @@ def _settle(ddp, st: _ModelState) -> bool:
     """Count the buckets of the pending synced backward if the reducer has finished it.
 
     True when nothing is pending any more."""
-    if st.pending is None:
+    t_forward = st.pending
+    if t_forward is None:
         return True
     try:
         ddp.reducer._check_reducer_finalized()
@@ -340,9 +341,11 @@ def _settle(ddp, st: _ModelState) -> bool:
     t = R.now_us()
     layout = st.layout
     if layout:
-        # The backward's communication time as DDP measures it, shared out over its buckets.
+        # The backward's communication time as DDP measures it, shared out over its buckets, ending now
+        # but never starting before its own forward: the report places events in time, and a bucket
+        # drawn before the previous optimizer step would be counted in the previous step.
         dur = st.comm_us // len(layout)
-        start = t - st.comm_us
+        start = max(t - st.comm_us, t_forward + 1)
         for n_bytes in layout:
             rec.event([R.BUCKET, start, dur, st.id, n_bytes, 1])
             start += dur

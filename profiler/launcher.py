@@ -103,6 +103,19 @@ def check_output_path(path: str | None, option: str) -> None:
         raise UsageError(f"cannot write {option} {path}: folder {parent} is not writable")
     if os.path.isdir(path):
         raise UsageError(f"cannot write {option} {path}: it is a folder")
+    # Permissions alone do not tell (root, /proc, a read-only mount): open it for real, before a long job
+    # runs, and leave no empty file behind.
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"cannot write {option} {path}: {exc.strerror or exc}") from None
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def child_env(out_dir: str, session: str, comm_hook: bool = False) -> dict:

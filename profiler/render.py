@@ -53,7 +53,7 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f}"
 
 
-def print_report(report: Report, console, *, exit_code=None, out_dir=None, headline_notes=()) -> None:
+def print_report(report: Report, console, *, exit_code=None, out_dir=None, headline_notes=(), hang=None) -> None:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -110,7 +110,14 @@ def print_report(report: Report, console, *, exit_code=None, out_dir=None, headl
                                style="dim"))
     for note in report.notes:
         console.print(Text(f"note: {note}", style="cyan"))
-    if report.summaries:
+    if hang is not None:
+        # The hang is the finding: the counts above only cover what ran before it.
+        what = "in mismatched collectives" if hang.get("mismatch") else "(no rank made progress)"
+        extra = f"; before it, {len(report.findings)} finding(s) above" if report.findings else ""
+        stopped = " and was stopped" if hang.get("stopped") else ""
+        console.print(Text(f"verdict: the job hung {what}{stopped}: see the stacks above{extra}",
+                           style="bold red"))
+    elif report.summaries:
         if not report.findings:
             console.print(Text("verdict: no gradient-synchronization misuse found", style="bold green"))
         else:

@@ -48,8 +48,18 @@ def test_github_annotations(tmp_path):
     assert "::SC101 sync-every-microstep: " in line
 
 
-def test_statistics_and_concise(tmp_path):
-    proc = lint(tmp_path, "--format", "concise", "--statistics")
+@pytest.mark.parametrize("fmt", ["full", "concise"])
+def test_statistics_replace_the_findings_in_text_formats(tmp_path, fmt):
+    # as ruff: --statistics prints the count per code instead of each finding
+    proc = lint(tmp_path, "--format", fmt, "--statistics")
     assert proc.returncode == 1
-    assert "train.py:5:5: SC101 [warning]" in proc.stdout
+    assert "train.py:5:5" not in proc.stdout
     assert any(l.split() == ["1", "SC101", "sync-every-microstep"] for l in proc.stdout.splitlines())
+
+
+@pytest.mark.parametrize("fmt", ["json", "sarif"])
+def test_statistics_keep_machine_readable_output_whole(tmp_path, fmt):
+    proc = lint(tmp_path, "--format", fmt, "--statistics")
+    assert proc.returncode == 1
+    json.loads(proc.stdout)                     # nothing but the report on stdout
+    assert any(l.split() == ["1", "SC101", "sync-every-microstep"] for l in proc.stderr.splitlines())

@@ -45,6 +45,8 @@ def test_collective_mismatch_is_diagnosed_and_stopped(tmp_path):
     summary = hang["summary"]
     assert "rank 0 in barrier at" in summary and "rank 1 in all_reduce at" in summary
     assert "rank 0 in barrier" in run.stderr.replace("\n", " ")
+    assert "verdict: the job hung in mismatched collectives and was stopped" in run.stderr.replace("\n", " ")
+    assert "no gradient-synchronization misuse found" not in run.stderr
     # The job ended within start-up + the timeout + the grace period (generously bounded), and nothing
     # of it is left running.
     assert elapsed < 90

@@ -68,6 +68,16 @@ def test_unwritable_json_path_fails_before_the_command_starts(tmp_path):
     assert proc.returncode == 2 and "cannot write --json" in proc.stderr
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_output_path_that_cannot_be_created_fails_before_the_command_starts(tmp_path):
+    # /proc is "writable" to root by its mode bits, yet no file can be created there: only opening tells.
+    marker = tmp_path / "ran"
+    for option in ("--json", "--trace"):
+        proc = _synccheck("profile", option, "/proc/synccheck-report.json", "--", "touch", str(marker))
+        assert proc.returncode == 2 and f"cannot write {option} /proc/synccheck-report.json" in proc.stderr
+        assert "Traceback" not in proc.stderr and not marker.exists()
+
+
 def test_non_python_command_passes_its_exit_code(tmp_path):
     report = tmp_path / "r.json"
     proc = _synccheck("profile", "--out", str(tmp_path / "out"), "--json", str(report), "--",

@@ -55,6 +55,19 @@ def test_sync_every_microstep_is_sc101(every_run):
     assert f["path"].endswith("accum.py")
     assert "3 of 3 micro-steps" in f["message"]
     assert "SC101" in run.stderr
+    # In time order (as the report reads them) every optimizer step owns exactly its own buckets: a bucket
+    # drawn before its forward would land in the previous step, and a window cut short by a crash would
+    # then report the wrong MB per step.
+    for events in T.read_records(run.out_dir).values():
+        timed = sorted((ev for ev in events[1:] if ev[0] in ("bkt", "step")), key=lambda ev: ev[1])
+        per_step, n = [], 0
+        for ev in timed:
+            if ev[0] == "bkt":
+                n += 1
+            else:
+                per_step.append(n)
+                n = 0
+        assert per_step == [MICRO] * STEPS
 
 
 def test_torchrun_agent_records_nothing(every_run):
