@@ -32,7 +32,9 @@ def lint_main(argv: List[str]) -> int:
                                  "The code is parsed, never imported or run.")
     parser.add_argument("paths", nargs="*", default=["."], help="files or folders (default: .)")
     parser.add_argument("--format", "--output-format", dest="format", default="full",
-                        choices=("full", "concise", "json", "sarif", "github"))
+                        choices=("full", "concise", "json", "sarif", "github"),
+                        help="full (default: each finding with its source lines and fix), concise (one line "
+                             "each), json, sarif (GitHub code scanning), github (workflow annotations)")
     parser.add_argument("--select", type=_codes, default=None, metavar="CODES",
                         help="only these rule codes or prefixes, comma-separated (SC1, SC101)")
     parser.add_argument("--ignore", type=_codes, default=None, metavar="CODES",
@@ -63,6 +65,9 @@ def lint_main(argv: List[str]) -> int:
     except UsageError as exc:
         print(f"synccheck lint: error: {exc}", file=sys.stderr)
         return 2
+    if result.files == 0 and not result.errors:
+        # as ruff: not an error (an empty folder in a pre-commit run), but not silent either
+        print("synccheck lint: warning: no Python files found under " + ", ".join(args.paths), file=sys.stderr)
     render(result, args.format, sys.stdout, statistics=args.statistics)
     if args.exit_zero:
         return 0

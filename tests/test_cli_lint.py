@@ -123,3 +123,10 @@ def test_lint_never_imports_torch_or_the_checked_code(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr
     assert not marker.exists()
+
+
+def test_a_folder_without_python_files_is_clean_but_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("loss.backward()\n")
+    proc = run("lint", "--no-cache", str(tmp_path))
+    assert proc.returncode == 0
+    assert "no Python files found" in proc.stderr and "0 files checked" in proc.stdout

@@ -8,9 +8,11 @@ class ParseError(Rule):
     summary = "The file cannot be parsed as Python 3"
     what = """
         Reports a file that is not valid Python 3 (a syntax error, Python 2 code, a truncated file).
-        The file is reported, never skipped silently, and the other files are still checked. Like
-        every rule it applies to files that mention training (`backward`, `no_sync`, ...): files that
-        do not are never parsed, which is what keeps synccheck fast on large code bases.
+        The file is reported, never skipped silently, and the other files are still checked. It
+        applies to the files some rule needs to parse: each rule first looks for the words and calls
+        it works on (a `.backward(` call *and* an optimizer step, `no_sync`, a collective beside a
+        rank test, ...), and a file none of them wants is never parsed, which is what keeps synccheck
+        fast on large code bases. A broken file that no rule would analyse is not reported.
     """
     why = """
         A file synccheck cannot parse is a file nothing checks: its training loop could waste every
