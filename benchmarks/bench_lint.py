@@ -102,7 +102,8 @@ def main() -> int:
         rows.append(("ruff (baseline)", wall, cpu, peak))
     shutil.rmtree(cache_dir, ignore_errors=True)
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    from synccheck.analyzer.engine import _usable_cpus   # the worker count synccheck itself uses
+    cores = _usable_cpus()
     print(f"Machine: {platform.machine()}, {cores} cores, Python {platform.python_version()}; "
           f"median of {args.repeat} runs")
     print(f"Corpus: {path} ({files} .py files, {lines:,} lines)\n")

@@ -102,26 +102,23 @@ def lint_rows(data: dict) -> list[tuple[str, str, str]]:
 
 
 def overhead_rows(data: dict) -> list[tuple[str, str, str]]:
-    rows = [("profiler overhead (2-rank gloo job, target <= 1.02)",
-             f"step time profiled / plain, median of {len(data['pairs'])} interleaved job pair(s)",
+    what = "profiler overhead (2-rank gloo job, target <= 1.02)"
+
+    def ratio(r: dict, times: bool = True) -> str:
+        ms = f"; {r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step" if times else ""
+        return f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}{ms})"
+
+    rows = [(what, f"step time profiled / plain, median of {len(data['pairs'])} interleaved job pair(s)",
              f"{data['median_ratio']:.3f} (95% CI {data['median_ci'][0]:.3f}-{data['median_ci'][1]:.3f})")]
     if data.get("in_job"):
-        r = data["in_job"]
-        rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
-                     f"same, A/B inside one job (median of {r['rounds']} rounds of one step a side)",
-                     f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}; "
-                     f"{r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
+        rows.append((what, f"same, A/B inside one job (median of {data['in_job']['rounds']} rounds of one step "
+                           "a side)", ratio(data["in_job"])))
     if data.get("in_job_aa"):
-        r = data["in_job_aa"]
-        rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
-                     "same harness, A/A: both models plain (its own bias and noise)",
-                     f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f})"))
+        rows.append((what, "same harness, A/A: both models plain (its own bias and noise)",
+                     ratio(data["in_job_aa"], times=False)))
     if data.get("in_job_comm_hook"):
-        r = data["in_job_comm_hook"]
-        rows.append(("profiler overhead (2-rank gloo job, target <= 1.02)",
-                     "same, with `--comm-hook` (every bucket through a Python comm hook)",
-                     f"{r['ratio']:.3f} (95% CI {r['ci'][0]:.3f}-{r['ci'][1]:.3f}; "
-                     f"{r['plain_s'] * 1e3:.1f} vs {r['profiled_s'] * 1e3:.1f} ms/step)"))
+        rows.append((what, "same, with `--comm-hook` (every bucket through a Python comm hook)",
+                     ratio(data["in_job_comm_hook"])))
     return rows
 
 

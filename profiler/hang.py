@@ -87,7 +87,7 @@ def dump_stack(py_spy: str, pid: int) -> dict:
         text = lines[0] if lines else f"py-spy exited with {proc.returncode}"
         kind = _classify_dump_error(proc.stderr + proc.stdout)
         # A worker that died while being dumped may still be a zombie (not reaped yet): /proc/PID exists.
-        if kind == "exited" or (kind != "ptrace" and not _any_alive({pid})):
+        if kind == "exited" or (kind != "ptrace" and not alive(pid)):
             return {"error": "exited", "message": f"exited while being dumped (py-spy: {text})"}
         return {"error": kind, "message": text}
     try:
@@ -246,15 +246,17 @@ def _signal_all(pgid: int, pids: set, sig) -> None:
             pass
 
 
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (an unreaped zombie does not), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _any_alive(pids: set) -> bool:
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                if fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z":
-                    return True
-        except OSError:
-            continue
-    return False
+    return any(alive(pid) for pid in pids)
 
 
 def _short(path: str | None) -> str:

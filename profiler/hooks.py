@@ -326,17 +326,15 @@ def _read_comm_time(data: dict, st: _ModelState) -> None:
         st.comm_us = avg_ns // 1000
 
 
-def _settle(ddp, st: _ModelState) -> bool:
-    """Count the buckets of the pending synced backward if the reducer has finished it.
-
-    True when nothing is pending any more."""
+def _settle(ddp, st: _ModelState) -> None:
+    """Count the buckets of the pending synced backward if the reducer has finished it."""
     t_forward = st.pending
     if t_forward is None:
-        return True
+        return
     try:
         ddp.reducer._check_reducer_finalized()
     except Exception:
-        return False        # its backward has not run (yet): nothing was all-reduced
+        return              # its backward has not run (yet): nothing was all-reduced
     st.pending = None
     t = R.now_us()
     layout = st.layout
@@ -349,7 +347,6 @@ def _settle(ddp, st: _ModelState) -> bool:
         for n_bytes in layout:
             rec.event([R.BUCKET, start, dur, st.id, n_bytes, 1])
             start += dur
-    return True
 
 
 def _refresh_comm_times() -> None:

@@ -210,7 +210,7 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     if received:
         result.interrupted = signal.Signals(received[0]).name
     if sampler is not None:
-        result.sample = sampler.finish(out_dir, session)
+        result.sample = sampler.finish()
         result.notes.extend(sampler.notes)
     _write_launcher_result(out_dir, session, opts.command, result)
     return result

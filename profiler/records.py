@@ -57,6 +57,19 @@ def read_rank_file(path: str) -> RankRecord | None:
     return RankRecord(path=path, meta=meta, events=events, truncated=truncated)
 
 
+def read_meta(path: str) -> dict | None:
+    """The meta record on a rank file's first line, without reading the rest (None until it is written)."""
+    try:
+        with open(path, "rb") as fh:
+            ev = json.loads(fh.readline())
+    except (OSError, ValueError):
+        return None
+    if isinstance(ev, list) and len(ev) == 2 and ev[0] == R.META and isinstance(ev[1], dict) \
+            and "pid" in ev[1] and "rank" in ev[1]:
+        return ev[1]
+    return None
+
+
 def rank_files(out_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(out_dir, "rank-*.jsonl")))
 

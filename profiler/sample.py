@@ -25,8 +25,8 @@ import subprocess
 import tempfile
 import time
 
-from synccheck.profiler.hang import descendants, find_py_spy
-from synccheck.profiler.records import load_ranks, rank_files
+from synccheck.profiler.hang import alive, descendants, find_py_spy
+from synccheck.profiler.records import rank_files, read_meta
 
 # Frame names (Python or native) that mean "communicating or waiting for it".
 _COMM_PATTERNS = ("gloo", "nccl", "c10d::", "processgroup", "allreduce", "all_reduce", "barrier", "broadcast",
@@ -86,7 +86,7 @@ class Sampler:
         for path in rank_files(self.out_dir):
             if path in self._seen:
                 continue
-            meta = _read_meta(path)
+            meta = read_meta(path)
             if meta is None:
                 continue            # its first line is not written yet: look again next time
             self._seen.add(path)
@@ -105,7 +105,7 @@ class Sampler:
             rec.proc = None
             if proc.returncode < 0:
                 rec.crashes.append(-proc.returncode)
-                if self._restart and len(rec.crashes) <= MAX_RESTARTS and _alive(rec.pid):
+                if self._restart and len(rec.crashes) <= MAX_RESTARTS and alive(rec.pid):
                     self._launch(rec)
 
     def _launch(self, rec: _Recorder) -> None:
@@ -126,7 +126,7 @@ class Sampler:
         rec.parts.append(part)
         rec.logs.append(log_path)
 
-    def finish(self, out_dir: str, session: str) -> dict | None:
+    def finish(self) -> dict | None:
         if self._parts_dir is None:
             return None
         try:
@@ -139,11 +139,11 @@ class Sampler:
                     self._restart = left > 0
                     _wait(rec.proc, max(0.0, left))
                     self.poll()     # a recorder that crashed before its worker exited starts again
-            return self._report(out_dir, session)
+            return self._report()
         finally:
             shutil.rmtree(self._parts_dir, ignore_errors=True)
 
-    def _report(self, out_dir: str, session: str) -> dict:
+    def _report(self) -> dict:
         for rec in self.recorders.values():
             if rec.crashes:
                 sigs = ", ".join(_signal_name(s) for s in rec.crashes)
@@ -163,8 +163,7 @@ class Sampler:
         except OSError as exc:
             self.notes.append(f"--sample: could not write {self.path}: {exc.strerror or exc}")
             return {"path": self.path, "format": self.format, "ranks": [], "error": str(exc)}
-        ranks, _ = load_ranks(out_dir, session=session)
-        pid_to_rank = {r.pid: r.rank for r in ranks}
+        pid_to_rank = {rec.pid: rec.rank for rec in self.recorders.values()}
         try:
             per_pid = (_shares_speedscope(self.path) if self.format == "speedscope" else _shares_raw(self.path))
         except (OSError, ValueError, KeyError) as exc:
@@ -196,26 +195,6 @@ class Sampler:
         if "permission" in log.lower() or "ptrace" in log.lower():
             return "ptrace refused (run as root, or set /proc/sys/kernel/yama/ptrace_scope to 0)"
         return _last_error_line(log) or "py-spy wrote no samples"
-
-
-def _read_meta(path: str) -> dict | None:
-    try:
-        with open(path, "rb") as fh:
-            first = fh.readline()
-        ev = json.loads(first)
-    except (OSError, ValueError):
-        return None
-    if isinstance(ev, list) and len(ev) == 2 and ev[0] == "meta" and isinstance(ev[1], dict) and "pid" in ev[1]:
-        return ev[1]
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _wait(proc: subprocess.Popen, timeout: float) -> None:
