@@ -107,7 +107,10 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     anchors = tuple(sorted({w for r in active for w in r.anchors}))
     loop_anchors = tuple(sorted({w for r in active for w in r.loop_anchors}))
     branch_anchors = tuple(sorted({pair for r in active for pair in r.branch_anchors}))
-    narrowed, tree, error, line_map = narrow(text, anchors, loop_anchors, branch_anchors)
+    loop_rules = [r for r in active if r.loop_anchors]
+    companions = () if any(not r.loop_companions for r in loop_rules) else \
+        tuple(sorted({w for r in loop_rules for w in r.loop_companions}))
+    narrowed, tree, error, line_map = narrow(text, anchors, loop_anchors, branch_anchors, companions)
     module = None
     if narrowed is not None:
         module, error = parse(narrowed)

@@ -40,7 +40,8 @@ ALIASED = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard",
 SHORT = 3   # module-level statements up to this many lines are kept: a script's assignments are its state
 
 
-def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anchors: tuple = ()):
+def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anchors: tuple = (),
+           loop_companions: tuple = ()):
     """(narrowed text, ast tree, None, line map) or (None, None, (line, column, message), None).
 
     The line map lists, for each line of the narrowed text, its 1-based number in ``text`` (None when
@@ -50,6 +51,11 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     a function such a loop calls. ``anchors``: words that matter anywhere. ``branch_anchors``: pairs
     of regexes (test, body): an ``if`` whose test matches the first and whose branches match the
     second, or call a function that does (a collective under ``if rank == 0:``).
+    ``loop_companions``: when given, a loop anchor counts only in a function where one of these words
+    is near: in the function, in what it calls or what calls it (transitively), or in code outside
+    every function. An accumulation loop can be reported only if it steps somewhere (``step(``) or
+    turns sync off (``no_sync``): a test suite's hundreds of step-less ``backward()`` loops are not
+    worth a parse.
     """
     try:
         tree = ast.parse(text)
@@ -98,10 +104,13 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
 
     # functions that run a loop anchor, themselves or through what they call
     reaches = reaching({d.name for d in all_defs if any(w in texts[id(d)] for w in loop_anchors)})
-    seeds = {id(d) for d in all_defs
-             if any(w in texts[id(d)] for w in anchors)
-             or (loop_anchors and any(w in texts[id(d)] for w in ("for ", "while "))
-                 and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d.body)))}
+    seeds = {id(d) for d in all_defs if any(w in texts[id(d)] for w in anchors)}
+    looped = [d for d in all_defs if id(d) not in seeds and loop_anchors
+              and any(w in texts[id(d)] for w in ("for ", "while "))
+              and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d.body))]
+    if looped and loop_companions:
+        looped = _with_companions(looped, all_defs, texts, calls, by_name, lines, loop_companions)
+    seeds.update(id(d) for d in looped)
     for test_pattern, body_pattern in branch_anchors:
         test_re, body_re = re.compile(test_pattern), re.compile(body_pattern)
         runs = reaching({d.name for d in all_defs if body_re.search(texts[id(d)])})
@@ -125,8 +134,17 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
             if id(d) not in keep and calls[id(d)] & kept_names:
                 keep.add(id(d))
                 grown = True
-    # what the seeds call: helpers are inlined at their call sites
+    # what the seeds call: helpers are inlined at their call sites. A script's own body is a caller
+    # too: what its training loop or its rank branch calls is inlined there.
     todo = [d for d in all_defs if id(d) in seeds]
+    tests = [re.compile(test) for test, _ in branch_anchors]
+    for node in _statements(tree.body):
+        text = "".join(lines[node.lineno - 1:node.end_lineno])
+        if any(w in text for w in anchors + loop_anchors) or any(t.search(text) for t in tests):
+            for x in (x for name in CALL.findall(text) for x in by_name.get(name, ())):
+                if id(x) not in keep:
+                    keep.add(id(x))
+                    todo.append(x)
     while todo:
         for name in calls[id(todo.pop())]:
             for x in by_name.get(name, ()):
@@ -135,7 +153,10 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
                     todo.append(x)
     # methods that bind a wrapper to ``self.x``: every method of the class sees it
     keep |= {id(d) for d in all_defs if self_fact.search(texts[id(d)])}
-    words = tuple(anchors) + tuple(loop_anchors) + facts
+    # where a loop anchor matters, so does how the loop steps: ``optimizer.step()`` after a script's loop
+    words = tuple(anchors) + tuple(loop_anchors) + facts + \
+        ((("step(", "zero_grad(") + tuple(loop_companions)) if loop_anchors else ())
+    kept_names = {d.name for d in all_defs if id(d) in keep}
     out = list(lines)
 
     placeholders: dict = {}     # line index of a ``...`` -> its column
@@ -164,8 +185,9 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
             if isinstance(node, ast.ClassDef):
                 visit(node.body)
                 continue
-            if not own_lines(node) or any(w in segment(node) for w in words):
-                continue
+            text = segment(node)
+            if not own_lines(node) or any(w in text for w in words) or not kept_names.isdisjoint(CALL.findall(text)):
+                continue     # ``main()``, ``train(model, opt)``: calls of kept functions bind their arguments
             # Short assignments are a script's state (``accum = 4``); long statements, and bare
             # expressions (``register(...)``, docstrings) that mention nothing relevant, are not.
             if isinstance(node, (ast.Expr, ast.Pass)) or node.end_lineno - node.lineno + 1 > SHORT:
@@ -190,12 +212,55 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     return "".join(line for line in out if line is not None), tree, None, line_map
 
 
+def _with_companions(looped: list, all_defs: list, texts: dict, calls: dict, by_name: dict, lines: list,
+                     words: tuple) -> list:
+    """The functions of ``looped`` with one of ``words`` in themselves, in a function they call or that
+    calls them (transitively), or anywhere outside a function (a script's body calls the functions)."""
+    covered = bytearray(len(lines) + 1)
+    for d in all_defs:
+        covered[_first_line(d) - 1:d.end_lineno] = b"\1" * (d.end_lineno - _first_line(d) + 1)
+    if any(w in "".join(line for i, line in enumerate(lines) if not covered[i]) for w in words):
+        return looped
+    has = {id(d) for d in all_defs if any(w in texts[id(d)] for w in words)}
+    callers: dict = {}
+    for d in all_defs:
+        for name in calls[id(d)]:
+            for x in by_name.get(name, ()):
+                callers.setdefault(id(x), []).append(d)
+    callees = {id(d): [x for name in calls[id(d)] for x in by_name.get(name, ())] for d in all_defs}
+
+    def near(d) -> bool:
+        for edges in (callees, callers):
+            seen, todo = {id(d)}, [d]
+            while todo:
+                x = todo.pop()
+                if id(x) in has:
+                    return True
+                for y in edges.get(id(x), ()):
+                    if id(y) not in seen:
+                        seen.add(id(y))
+                        todo.append(y)
+        return False
+
+    return [d for d in looped if near(d)]
+
+
 def _defs(body):
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node
         elif isinstance(node, ast.ClassDef):
             yield from _defs(node.body)
+
+
+def _statements(body):
+    """The statements outside every function (classes entered), docstrings and imports left out."""
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            yield from _statements(node.body)
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Import, ast.ImportFrom)) and \
+                not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            yield node
 
 
 def _first_line(node) -> int:

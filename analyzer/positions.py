@@ -17,7 +17,7 @@ def locate(model, tree: Optional[ast.Module], nodes: list, line_map: Optional[li
     """[((line, column), (end_line, end_column)) | None] for each node.
 
     ``line_map``: the original line of each line of the (narrowed) parsed text, for the slow path."""
-    twins = _twins(model, tree) if tree is not None else {}
+    twins = _twins(model, tree, line_map) if tree is not None else {}
     cache: dict = {}
     whole = None
     out = []
@@ -55,8 +55,12 @@ def _measure(module: cst.Module, holder) -> tuple:
     return positions, positions[holder].start
 
 
-def _twins(model, tree: ast.Module) -> dict:
-    """id(libcst statement) -> its ast statement, for top-level statements and every def the model knows."""
+def _twins(model, tree: ast.Module, line_map: Optional[list] = None) -> dict:
+    """id(libcst statement) -> its ast statement, for top-level statements and every def the model knows.
+
+    ``line_map``: the text was narrowed. Its top-level statements are the original ones whose first line
+    it kept (a dropped run of them left one ``...`` on the first one's line, and no line of the others).
+    """
     twins: dict = {}
     ast_defs: dict = {}
 
@@ -78,11 +82,15 @@ def _twins(model, tree: ast.Module) -> dict:
         twin = ast_defs.get(qual)
         if twin is not None:
             twins[id(fdef)] = twin
+    top = tree.body
+    if line_map:
+        kept = set(line_map)
+        top = [n for n in top if min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", ())]) in kept]
     i = 0
     for stmt in model.module.body:
-        if i >= len(tree.body):
+        if i >= len(top):
             break
         if not isinstance(stmt, (cst.FunctionDef, cst.ClassDef)) or not getattr(stmt, "decorators", None):
-            twins.setdefault(id(stmt), tree.body[i])
+            twins.setdefault(id(stmt), top[i])
         i += len(stmt.body) if isinstance(stmt, cst.SimpleStatementLine) else 1
     return twins

@@ -1,6 +1,8 @@
 """Narrowing keeps only what rules can use, drops the rest, and findings still point at the real lines."""
 import textwrap
 
+import pytest
+
 from synccheck.analyzer.engine import check_source
 from synccheck.analyzer.narrow import narrow
 
@@ -88,3 +90,82 @@ def test_words_in_docstrings_and_comments_do_not_keep_a_function():
     coded = documented.replace('group["lr"] *= 0.5', "loss_fn(model(x), y).backward()")
     narrowed, _, _, _ = narrow("import torch\n" + FILLER + coded + FILLER, ("no_sync",), ("backward(",))
     assert "def step" in narrowed
+
+
+def _corpus():
+    """Every fixture script and every rule example: each holds findings, or is a must-stay-silent case."""
+    from pathlib import Path
+
+    from synccheck.analyzer.rules import ALL_RULES
+
+    root = Path(__file__).parent / "fixtures"
+    out = [(p.stem, p.read_text()) for p in sorted(root.glob("*/*.py"))]
+    out += [(f"{r.code}-{kind}-{i}", textwrap.dedent(src).lstrip("\n")) for r in ALL_RULES
+            for kind, examples in (("valid", r.VALID), ("invalid", r.INVALID)) for i, src in enumerate(examples)]
+    return out
+
+
+CORPUS = _corpus()
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+@pytest.mark.parametrize("name,source", CORPUS, ids=[n for n, _ in CORPUS])
+def test_narrowing_a_big_file_keeps_every_finding(name, source, where):
+    """Small files are analysed whole; the same code in a big file is narrowed first. Both must give the
+    same findings, on the same lines, so narrowing never drops what a rule needs (callers, callees, the
+    step after a loop, sync contexts) and its placeholders never shift a position."""
+    if where == "before" and "from __future__" in source:
+        pytest.skip("a __future__ import must come first")
+    whole = [(f.code, f.line, f.column, f.message) for f in check_source(source, "s.py")]
+    padded = source + "\n" + FILLER if where == "after" else FILLER + source
+    shift = 0 if where == "after" else FILLER.count("\n")
+    assert padded.count("\n") >= 200
+    narrowed, _, error, line_map = narrow(padded)
+    assert line_map is not None or error is not None     # it is narrowed indeed (or a syntax error)
+    got = [(f.code, f.line - shift, f.column, f.message) for f in check_source(padded, "s.py")]
+    assert got == whole
+
+
+STEPLESS = textwrap.dedent("""
+    def test_grads_match(model, inputs):
+        for x in inputs:                     # backward in a loop, but nothing ever steps
+            model(x).sum().backward()
+        return [p.grad for p in model.parameters()]
+""")
+
+
+def _narrowed(source: str) -> str:
+    from synccheck.analyzer.engine import wanted_rules
+    from synccheck.analyzer.rules import ALL_RULES
+
+    active = wanted_rules(source, ALL_RULES)
+    loop_rules = [r for r in active if r.loop_anchors]
+    narrowed, _, error, _ = narrow(source, tuple({w for r in active for w in r.anchors}),
+                                   tuple({w for r in loop_rules for w in r.loop_anchors}),
+                                   tuple({p for r in active for p in r.branch_anchors}),
+                                   tuple({w for r in loop_rules for w in r.loop_companions}))
+    assert error is None
+    return narrowed
+
+
+def test_a_loop_that_never_steps_is_not_parsed():
+    # a test suite's step-less backward loops cannot hold an accumulation finding: no parse for them
+    source = big_source() + STEPLESS
+    assert "def fit" in _narrowed(source) and "def test_grads_match" not in _narrowed(source)
+
+
+def test_a_step_or_a_sync_context_elsewhere_keeps_the_loop():
+    caller_steps = STEPLESS + textwrap.dedent("""
+        def train(model, batches, opt):
+            for chunk in batches:
+                test_grads_match(model, chunk)
+                opt.step()
+    """)
+    script_steps = STEPLESS + "\ntest_grads_match(DDP(net), data)\noptimizer.step()\n"
+    caller_syncs = STEPLESS + textwrap.dedent("""
+        def run(model, data):
+            model.require_backward_grad_sync = False
+            test_grads_match(model, data)
+    """)
+    for extra in (caller_steps, script_steps, caller_syncs):
+        assert "def test_grads_match" in _narrowed(big_source() + extra), extra

@@ -52,6 +52,10 @@ class Rule:
     anchors: ClassVar[tuple] = ()
     loop_anchors: ClassVar[tuple] = ()
     branch_anchors: ClassVar[tuple] = ()       # ((test regex, branch regex), ...): see narrow.py
+    # Words without which a loop anchor cannot lead to a finding: one of them must be in the function
+    # that holds the loop, in what it calls or what calls it, or outside every function (see narrow.py).
+    # Empty: every loop anchor counts.
+    loop_companions: ClassVar[tuple] = ()
 
     @classmethod
     def documentation(cls) -> str:
