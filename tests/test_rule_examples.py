@@ -42,3 +42,63 @@ def test_sc301_collective_prefilter_matches_the_regex():
              "x = 1\nif rank == 0:\n    dist.gather(t)\n", "print('dist.')", "dist.", ""]
     for text in cases:
         assert _has_collective(text) == (COLLECTIVE_CALL.search(text) is not None), text
+
+
+SC301_HELPERS = {
+    # the collective after a signature wrapped the way black writes it
+    "wrapped": '''
+        def sync_metrics(
+            t,
+        ):
+            dist.all_reduce(t)
+    ''',
+    # through a second helper, in a call cycle that is met before the collective
+    "cycle": '''
+        def report(t):
+            return log(t) or sync(t)
+
+        def log(t):
+            return report(t) if t is None else t
+
+        def sync(t):
+            dist.all_reduce(t)
+    ''',
+    # a docstring whose lines are not indented comes first
+    "docstring": 'def sync_metrics(t):\n    """Sum over ranks.\nNot indented.\n"""\n    dist.all_reduce(t)\n',
+    "one_line": '''
+        def sync_metrics(t): dist.all_reduce(t)
+    ''',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SC301_HELPERS))
+def test_sc301_follows_the_rank_branch_into_a_helper(kind):
+    from synccheck.analyzer.rules.sc301 import CollectiveInRankBranch
+
+    entry = "log" if kind == "cycle" else "sync_metrics"
+    source = "import torch.distributed as dist\n" + textwrap.dedent(SC301_HELPERS[kind]) + \
+        f"\nif dist.get_rank() == 0:\n    {entry}(loss)\n"
+    assert CollectiveInRankBranch.wants(source)
+    found = [f for f in check_source(source, "s.py") if f.code == "SC301"]
+    assert [f.line for f in found] == [source.count("\n")], found
+
+
+def test_sc301_never_parses_a_file_whose_rank_branches_call_no_collective():
+    # torch's RPC tests: `if self.rank == 0:` blocks call many helpers, none of which runs a collective
+    from synccheck.analyzer.rules.sc301 import CollectiveInRankBranch
+
+    source = textwrap.dedent('''
+        import torch.distributed as dist
+
+        def check(t):
+            return t.sum()
+
+        def finish():
+            dist.barrier()
+
+        if dist.get_rank() == 0:
+            check(loss)
+        finish()
+    ''')
+    assert not CollectiveInRankBranch.wants(source)
+    assert CollectiveInRankBranch.wants(source.replace("    check(loss)", "    finish()"))

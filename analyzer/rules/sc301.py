@@ -36,8 +36,8 @@ def _has_collective(text: str) -> bool:
     return False
 
 
-DEFINED = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
-CALLED = re.compile(r"(?<![\w.])(?:self\.)?(\w+)\s*\(")
+DEFINED = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
+CALLED = re.compile(r"(?<![\w.])(?:self\.|cls\.)?(\w+)\s*\(")
 
 
 def _rank_if_lines(text: str):
@@ -61,10 +61,64 @@ def _rank_if_lines(text: str):
             start = text.find(word, line_end)
 
 
+class _CollectiveFunctions:
+    """Which functions of a file run a collective, themselves or through functions of the file they
+    call (transitively), read from the text: a body is the lines indented deeper than its ``def`` (a
+    triple-quoted string's lines belong to it whatever their indentation). Only the functions a rank
+    branch calls, and what they call, are ever read."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.defs: dict = {}
+        for match in DEFINED.finditer(text):
+            self.defs.setdefault(match.group(2), []).append(match)
+        self.calls: dict = {}      # name -> the functions of the file its bodies call
+        self.runs: set = set()
+
+    def any_runs(self, names) -> bool:
+        todo = [n for n in names if n in self.defs and n not in self.calls]
+        while todo:
+            name = todo.pop()
+            if name in self.calls:
+                continue
+            bodies = [self._body(m) for m in self.defs[name]]
+            if any(COLLECTIVE_CALL.search(b) for b in bodies):
+                self.runs.add(name)
+            self.calls[name] = {c for b in bodies for c in CALLED.findall(b) if c in self.defs}
+            todo.extend(c for c in self.calls[name] if c not in self.calls)
+        grown = True
+        while grown:
+            grown = False
+            for name, called in self.calls.items():
+                if name not in self.runs and not called.isdisjoint(self.runs):
+                    self.runs.add(name)
+                    grown = True
+        return not self.runs.isdisjoint(names)
+
+    def _body(self, match) -> str:
+        """From the ``def`` line (a one-line body is on it) to the first line indented no deeper, that is
+        not the end of a wrapped signature (``):``) nor inside a triple-quoted string."""
+        text = self.text
+        indent = len(match.group(1))
+        pos = text.find("\n", match.end())
+        in_string = False
+        while pos != -1:
+            end = text.find("\n", pos + 1)
+            line = text[pos + 1:len(text) if end == -1 else end]
+            stripped = line.lstrip()
+            if stripped and not in_string and len(line) - len(stripped) <= indent \
+                    and not stripped.startswith((")", "]", "}")):
+                break
+            if (line.count('"""') + line.count("'''")) % 2:
+                in_string = not in_string
+            pos = end
+        return text[match.start():len(text) if pos == -1 else pos]
+
+
 def _rank_branch_calls(text: str) -> bool:
     """Some ``if`` on the rank has, in its indented block (or its ``else``), a collective or a call of a
-    function this file defines: cheap text, so files without one are never parsed."""
-    defined = None
+    function of this file that runs one: cheap text, so files without one are never parsed."""
+    runs = None
     for pos, indent in _rank_if_lines(text):
         block = []
         while pos < len(text):
@@ -79,9 +133,9 @@ def _rank_branch_calls(text: str) -> bool:
         body = "\n".join(block)
         if COLLECTIVE_CALL.search(body):
             return True
-        if defined is None:
-            defined = set(DEFINED.findall(text))
-        if set(CALLED.findall(body)) & defined:
+        if runs is None:
+            runs = _CollectiveFunctions(text)
+        if runs.any_runs(set(CALLED.findall(body))):
             return True
     return False
 
