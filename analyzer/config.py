@@ -93,6 +93,9 @@ def find_config(start: Optional[str] = None) -> Optional[str]:
 def load_config(path: Optional[str] = None, start: Optional[str] = None) -> Config:
     """The configuration from ``path`` (``--config``), else the nearest one, else the defaults."""
     if path is not None:
+        if os.path.isdir(path):
+            raise UsageError(f"--config {path}: a folder, not a file (pass "
+                             f"{os.path.join(path, 'pyproject.toml')})")
         if not os.path.isfile(path):
             raise UsageError(f"--config {path}: no such file")
     else:

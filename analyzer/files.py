@@ -255,6 +255,8 @@ def discover(paths: Iterable[str], is_excluded: Callable[[str], bool] = lambda p
             for name in sorted(filenames):
                 if name.endswith(SOURCE_SUFFIXES):
                     path = os.path.join(dirpath, name)
+                    if path.startswith("./"):
+                        path = path[2:]        # `lint .` reports `train.py`, as ruff does, not `./train.py`
                     if stack and _ignored(stack, os.path.join(absolute, name), False):
                         continue
                     if not is_excluded(path):      # a broken symlink is kept: reading it says so

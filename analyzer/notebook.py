@@ -84,10 +84,11 @@ def parse_notebook(path: str, data: bytes) -> Tuple[Optional[NotebookSource], Op
         if not isinstance(cell, dict) or cell.get("cell_type") != "code":
             continue
         source = cell.get("source", "")
-        if isinstance(source, list):
-            source = "".join(s for s in source if isinstance(s, str))
+        if isinstance(source, list) and all(isinstance(s, str) for s in source):
+            source = "".join(source)
         if not isinstance(source, str):
-            continue
+            return None, FileError(path, f"not a notebook: cell {number}'s \"source\" is neither text nor a "
+                                         f"list of lines")
         cell_lines = source.splitlines()
         sources[number] = cell_lines
         for i, code in enumerate(python_lines(cell_lines), start=1):

@@ -135,7 +135,11 @@ def test_configuration_mistakes_exit_2_one_line(tmp_path, text, needles):
 
 def test_missing_config_path_exit_2(tmp_path):
     proc = run("--config", "nope.toml", ".", cwd=tmp_path)
-    assert proc.returncode == 2 and "nope.toml" in proc.stderr
+    assert proc.returncode == 2 and "nope.toml: no such file" in proc.stderr
+    (tmp_path / "conf").mkdir()
+    proc = run("--config", "conf", ".", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == \
+        f"synccheck lint: error: --config conf: a folder, not a file (pass {os.path.join('conf', 'pyproject.toml')})"
 
 
 def test_pyproject_that_never_mentions_us_is_not_parsed(tmp_path):
@@ -171,3 +175,15 @@ def test_exclude_matching_in_process(tmp_path):
     assert not config.is_excluded(str(tmp_path / "a" / "data" / "x.py"))     # anchored
     assert not config.is_excluded(str(tmp_path))                             # never the project itself
     assert not config.is_excluded(str(tmp_path / "train.py"))
+
+
+def test_a_walk_from_the_current_folder_reports_plain_relative_paths(tmp_path):
+    project(tmp_path, "", files=("train.py", "pkg/run.py"))
+    proc = run("--format", "concise", ".", cwd=tmp_path)
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if "SC101" in line] == \
+        ["pkg/run.py", "train.py"]
+    proc = run("--format", "concise", "./pkg", cwd=tmp_path)
+    assert proc.stdout.startswith("pkg/run.py:")
+    proc = run("--format", "concise", "./train.py", cwd=tmp_path)    # a file named is reported as typed
+    assert proc.stdout.startswith("./train.py:")
+

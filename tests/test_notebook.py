@@ -96,6 +96,9 @@ def test_python_lines(cell_lines, expected):
     (b'{"worksheets": [], "nbformat": 3}', "nbformat 3"),
     (b"\xff\xfe\x00garbage", "not a notebook"),
     (b"[" * 100000, "not a notebook"),
+    (b'{"cells": [{"cell_type": "markdown", "source": 7}, {"cell_type": "code", "source": 42}]}',
+     "not a notebook: cell 2's \"source\" is neither text nor a list of lines"),
+    (b'{"cells": [{"cell_type": "code", "source": ["model = DDP(m)\\n", 3]}]}', "cell 1's \"source\""),
 ])
 def test_not_a_notebook_is_reported_and_the_rest_still_linted(tmp_path, data, needle):
     (tmp_path / "bad.ipynb").write_bytes(data)
