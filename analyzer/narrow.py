@@ -68,12 +68,12 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
         return text, tree, None, None       # small files: narrowing costs more than it saves
 
     def segment(node) -> str:
-        return "".join(lines[_first_line(node) - 1:node.end_lineno])
+        return "".join(lines[first_line(node) - 1:node.end_lineno])
 
     def code_of(d) -> str:
         """A function's lines without its docstring and full-line comments: the words that decide
         what is kept must be code (torch's docstrings are full of ``loss.backward()`` examples)."""
-        first = _first_line(d) - 1
+        first = first_line(d) - 1
         skip = range(0)
         doc = d.body[0] if d.body else None
         if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
@@ -108,8 +108,11 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     looped = [d for d in all_defs if id(d) not in seeds and loop_anchors
               and any(w in texts[id(d)] for w in ("for ", "while "))
               and any(_loop_reaches(loop, lines, loop_anchors, reaches) for loop in _loops(d.body))]
-    if looped and loop_companions:
-        looped = _with_companions(looped, all_defs, texts, calls, by_name, lines, loop_companions)
+    if looped and loop_companions and not any(w in _outside(lines, all_defs) for w in loop_companions):
+        # near a companion: a function that holds one, calls one (transitively) or is called by one
+        holders = {d.name for d in all_defs if any(w in texts[id(d)] for w in loop_companions)}
+        near = reaching(set(holders)) | _called_from(holders, calls, by_name)
+        looped = [d for d in looped if d.name in near]
     seeds.update(id(d) for d in looped)
     for test_pattern, body_pattern in branch_anchors:
         test_re, body_re = re.compile(test_pattern), re.compile(body_pattern)
@@ -170,7 +173,7 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
 
     def own_lines(node) -> bool:
         """The statement starts its first line and ends its last: safe to replace whole lines."""
-        first, last = lines[_first_line(node) - 1], lines[node.end_lineno - 1]
+        first, last = lines[first_line(node) - 1], lines[node.end_lineno - 1]
         tail = last[node.end_col_offset:].strip() if node.end_col_offset is not None else ""
         return not first[:node.col_offset].strip() and (not tail or tail.startswith("#"))
 
@@ -180,7 +183,7 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
                 continue
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if id(node) not in keep and own_lines(node):
-                    blank(_first_line(node), node.end_lineno, node.col_offset)   # decorators and all
+                    blank(first_line(node), node.end_lineno, node.col_offset)   # decorators and all
                 continue
             if isinstance(node, ast.ClassDef):
                 visit(node.body)
@@ -191,7 +194,7 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
             # Short assignments are a script's state (``accum = 4``); long statements, and bare
             # expressions (``register(...)``, docstrings) that mention nothing relevant, are not.
             if isinstance(node, (ast.Expr, ast.Pass)) or node.end_lineno - node.lineno + 1 > SHORT:
-                blank(_first_line(node), node.end_lineno, node.col_offset)
+                blank(first_line(node), node.end_lineno, node.col_offset)
 
     visit(tree.body)
     del visit    # a recursive closure's cycle through its own cell (see engine._analyse)
@@ -212,37 +215,24 @@ def narrow(text: str, anchors: tuple = (), loop_anchors: tuple = (), branch_anch
     return "".join(line for line in out if line is not None), tree, None, line_map
 
 
-def _with_companions(looped: list, all_defs: list, texts: dict, calls: dict, by_name: dict, lines: list,
-                     words: tuple) -> list:
-    """The functions of ``looped`` with one of ``words`` in themselves, in a function they call or that
-    calls them (transitively), or anywhere outside a function (a script's body calls the functions)."""
+def _outside(lines: list, all_defs: list) -> str:
+    """The lines outside every function: a script's body, class attributes."""
     covered = bytearray(len(lines) + 1)
     for d in all_defs:
-        covered[_first_line(d) - 1:d.end_lineno] = b"\1" * (d.end_lineno - _first_line(d) + 1)
-    if any(w in "".join(line for i, line in enumerate(lines) if not covered[i]) for w in words):
-        return looped
-    has = {id(d) for d in all_defs if any(w in texts[id(d)] for w in words)}
-    callers: dict = {}
-    for d in all_defs:
-        for name in calls[id(d)]:
-            for x in by_name.get(name, ()):
-                callers.setdefault(id(x), []).append(d)
-    callees = {id(d): [x for name in calls[id(d)] for x in by_name.get(name, ())] for d in all_defs}
+        covered[first_line(d) - 1:d.end_lineno] = b"\1" * (d.end_lineno - first_line(d) + 1)
+    return "".join(line for i, line in enumerate(lines) if not covered[i])
 
-    def near(d) -> bool:
-        for edges in (callees, callers):
-            seen, todo = {id(d)}, [d]
-            while todo:
-                x = todo.pop()
-                if id(x) in has:
-                    return True
-                for y in edges.get(id(x), ()):
-                    if id(y) not in seen:
-                        seen.add(id(y))
-                        todo.append(y)
-        return False
 
-    return [d for d in looped if near(d)]
+def _called_from(names: set, calls: dict, by_name: dict) -> set:
+    """The names of the functions that functions named ``names`` call, transitively."""
+    found: set = set()
+    todo = [d for name in names for d in by_name.get(name, ())]
+    while todo:
+        for name in calls[id(todo.pop())]:
+            if name in by_name and name not in found:
+                found.add(name)
+                todo.extend(by_name[name])
+    return found
 
 
 def _defs(body):
@@ -263,7 +253,7 @@ def _statements(body):
             yield node
 
 
-def _first_line(node) -> int:
+def first_line(node) -> int:
     """ast puts a decorated definition at its ``def`` line; its first line is the first decorator's."""
     return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
 

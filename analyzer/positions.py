@@ -12,6 +12,8 @@ from typing import Optional
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from synccheck.analyzer.narrow import first_line
+
 
 def locate(model, tree: Optional[ast.Module], nodes: list, line_map: Optional[list] = None) -> list:
     """[((line, column), (end_line, end_column)) | None] for each node.
@@ -85,7 +87,7 @@ def _twins(model, tree: ast.Module, line_map: Optional[list] = None) -> dict:
     top = tree.body
     if line_map:
         kept = set(line_map)
-        top = [n for n in top if min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", ())]) in kept]
+        top = [n for n in top if first_line(n) in kept]
     i = 0
     for stmt in model.module.body:
         if i >= len(top):
