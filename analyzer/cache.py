@@ -1,7 +1,11 @@
 """Results cache: a warm run over an unchanged tree reads no file and parses nothing.
 
-One JSON file per (synccheck version, rule set) under ``.synccheck_cache/``. Entries are keyed by the
-file's content hash; the path's (mtime, size) only says whether the content can be trusted unread.
+One JSON file per (synccheck version, rule set) under ``.synccheck_cache/``. It remembers, per file,
+its content hash, whether it holds any word the analysis needs and its import lines (so a warm run
+can form the components without reading it; a file's (mtime, size) says whether that memory can be
+trusted), and per *component* (files analysed together, see imports.py) the findings, keyed by the
+hashes of all its files. A component's result also lists the project modules the analysis read
+beyond it, with their (mtime, size): a change there invalidates it too.
 A corrupt or unwritable cache is ignored: the cache may make a run faster, never fail it.
 """
 from __future__ import annotations
@@ -16,10 +20,19 @@ from synccheck import __version__
 from synccheck.analyzer.ftypes import FileError, Finding
 
 DEFAULT_DIR = ".synccheck_cache"
+MAX_COMPONENTS = 4096
 
 
 def content_key(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def component_key(entries: list) -> str:
+    """The key of a component: its files' paths and content hashes (and whether each is linted)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for path, key, linted in sorted(entries):
+        digest.update(f"{path}\0{key}\0{int(linted)}\n".encode())
+    return digest.hexdigest()
 
 
 class Cache:
@@ -27,20 +40,22 @@ class Cache:
         ruleset = hashlib.blake2b(",".join(sorted(codes)).encode(), digest_size=8).hexdigest()
         self.file = os.path.join(directory, __version__, f"{ruleset}.json")
         self.directory = directory
-        self.by_path: dict = {}       # path -> [mtime_ns, size, key]
-        self.by_key: dict = {}        # key -> {"findings": [...], "errors": [...]}
+        self.files: dict = {}         # path -> [mtime_ns, size, key, gated, imports]
+        self.components: dict = {}    # component key -> {"findings": [...], "errors": [...], "deps": [...]}
+        self.used: set = set()
         self.dirty = False
         try:
             with open(self.file, encoding="utf-8") as fh:
                 data = json.load(fh)
-            self.by_path, self.by_key = data["paths"], data["results"]
-        except (OSError, ValueError, KeyError, TypeError):
+            if isinstance(data.get("files"), dict) and isinstance(data.get("components"), dict):
+                self.files, self.components = data["files"], data["components"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
 
     def fresh(self, path: str) -> Optional[tuple]:
-        """The cached (findings, errors) of ``path`` if its mtime and size are unchanged."""
-        entry = self.by_path.get(path)
-        if entry is None:
+        """(content key, gated, imports) remembered for ``path`` if its mtime and size are unchanged."""
+        entry = self.files.get(path)
+        if not isinstance(entry, list) or len(entry) != 5:
             return None
         try:
             st = os.stat(path)
@@ -48,35 +63,59 @@ class Cache:
             return None
         if [st.st_mtime_ns, st.st_size] != entry[:2]:
             return None
-        return self._load(path, entry[2])
+        return entry[2], entry[3], [tuple(i) for i in entry[4]]
 
-    def get(self, path: str, key: str) -> Optional[tuple]:
-        """The cached result for this content, wherever it was seen."""
-        return self._load(path, key) if key in self.by_key else None
-
-    def _load(self, path: str, key: str) -> Optional[tuple]:
-        result = self.by_key.get(key)
-        if result is None:
-            return None
-        findings = [Finding(path=path, **f) for f in result["findings"]]
-        errors = [FileError(path, message) for message in result["errors"]]
-        return findings, errors
-
-    def put(self, path: str, key: str, findings: list, errors: list) -> None:
+    def note(self, path: str, key: str, gated: bool, imports: list) -> None:
         try:
             st = os.stat(path)
         except OSError:
             return
-        self.by_path[path] = [st.st_mtime_ns, st.st_size, key]
+        entry = [st.st_mtime_ns, st.st_size, key, gated, [list(i) for i in imports]]
+        if self.files.get(path) != entry:
+            self.files[path] = entry
+            self.dirty = True
+
+    def component(self, key: str) -> Optional[tuple]:
+        """(findings, errors) of a component analysed before, if the modules it read are unchanged."""
+        entry = self.components.get(key)
+        if not isinstance(entry, dict):
+            return None
+        try:
+            for path, mtime, size in entry["deps"]:
+                st = os.stat(path)
+                if [st.st_mtime_ns, st.st_size] != [mtime, size]:
+                    return None
+            findings = [Finding(**f) for f in entry["findings"]]
+            errors = [FileError(path, message) for path, message in entry["errors"]]
+        except (OSError, KeyError, TypeError, ValueError):
+            return None
+        self.used.add(key)
+        return findings, errors
+
+    def put(self, key: str, findings: list, errors: list, deps: list) -> None:
         rows = []
         for f in findings:
             row = f.to_json()
-            row.pop("path")
+            row.setdefault("cell", None)
             rows.append(row)
-        self.by_key[key] = {"findings": rows, "errors": [e.message for e in errors]}
+        stamped = []
+        for path in deps:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            stamped.append([path, st.st_mtime_ns, st.st_size])
+        self.components[key] = {"findings": rows, "errors": [[e.path, e.message] for e in errors], "deps": stamped}
+        self.used.add(key)
         self.dirty = True
 
     def save(self) -> None:
+        # bounded: the oldest components not used in this run go first
+        excess = len(self.components) - MAX_COMPONENTS
+        if excess > 0:
+            for k in [k for k in self.components if k not in self.used][:excess]:
+                del self.components[k]
+            self.dirty = True
         if not self.dirty:
             return
         try:
@@ -87,7 +126,7 @@ class Cache:
                     fh.write("# created by synccheck\n*\n")
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.file), suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"paths": self.by_path, "results": self.by_key}, fh)
+                json.dump({"files": self.files, "components": self.components}, fh)
             os.replace(tmp, self.file)
         except OSError:
             pass

@@ -1,78 +1,79 @@
-"""The pipeline, one stage a module: find files -> filter -> parse -> model -> rules -> report.
+"""The pipeline, one stage a module:
 
-``check_source`` runs stages 2-5 on one text; ``lint`` runs the whole pipeline over paths, in a process
-pool when enough files need parsing to pay for one.
+find files (files.py) -> read and filter by words (source.py) -> parse (parse.py) -> index the project
+(project/index.py) -> abstract values (project/values.py) -> the sync dataflow of every training loop
+(project/syncflow.py, events.py) -> facts (project/facts.py, static.py) -> rules (rules/) -> report.
+
+``check_source`` runs it on one text; ``lint`` on files and folders, as one project: a loop in
+``engine.py`` sees the DDP model ``main.py`` built, and findings are reported in the file where the
+bug is. The code is parsed with the standard library's ``ast`` and never imported or run.
 """
 from __future__ import annotations
 
+import ast
 import gc
 import os
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
-from synccheck.analyzer.ftypes import Finding, LintResult
+from synccheck.analyzer.ftypes import FileError, Finding, LintResult
 from synccheck.analyzer.rules import ALL_RULES, BY_CODE
 from synccheck.analyzer.source import decode_source, read_bytes
 from synccheck.analyzer.suppress import ALL, SUPPRESS, SUPPRESS_FILE, file_ignores, ignored, suppressed
 
 __all__ = ["check_source", "lint", "select_rules", "wanted_rules", "SUPPRESS", "SUPPRESS_FILE"]
-# Parsing is ~20 ms a file; a pool costs ~50 ms to start on 2 cores.
-POOL_MIN_FILES = 8
+
+# A file is parsed only if it holds one of these: what a training loop, a wrapper, a sync control, a
+# sampler or a collective is spelled with. The rest of a code base (most of it) is never parsed.
+PROJECT_WORDS = (b"backward", b"DistributedDataParallel", b"FullyShardedDataParallel", b"fully_shard", b"DDP",
+                 b"no_sync", b"require_backward_grad_sync", b"set_requires_gradient_sync", b"Accelerator",
+                 b".prepare(", b"Fabric", b"deepspeed", b"DistributedSampler", b"barrier", b"all_reduce",
+                 b"wait_for_everyone", b"broadcast", b"all_gather", b"GradientAccumulator", b"accumulate(",
+                 b"rank", b"main_process", b"is_master", b"master_process")
 
 
 class RuleContext:
-    """What a rule sees of one module, and how it reports."""
+    """What a rule sees: the whole-program model, and how to report."""
 
-    def __init__(self, model, path: str) -> None:
-        self.model = model
-        self.path = path
+    def __init__(self, program) -> None:
+        self.program = program
         self.raw: list = []
-        self._loops = None
-        self._unsynced: dict = {}
 
     @property
-    def loops(self) -> list:
-        if self._loops is None:
-            from synccheck.analyzer.paths import accumulation_loops
-            self._loops = accumulation_loops(self.model)
-        return self._loops
+    def flows(self) -> list:
+        return self.program.flows()
 
-    def report(self, rule, node, message: str, fix: str = "") -> None:
-        self.raw.append((rule, node, message, fix))
+    def report(self, rule, module, node, message: str, fix: str = "") -> None:
+        if module is not None and module.linted and node is not None:
+            self.raw.append((rule, module, node, message, fix))
 
-    def unsynced_step(self, acc) -> list:
-        """Boundary micro-steps whose gradients are never all-reduced, grouped by gate literals."""
-        key = id(acc)
-        if key not in self._unsynced:
-            self._unsynced[key] = [] if acc.too_complex else acc.all_groups(True, acc.unsynced)
-        return self._unsynced[key]
+    def node(self, flow, site):
+        """(module, node) recorded for a site."""
+        return flow.records.nodes.get(site, (None, None))
 
-    def describe(self, acc, lits) -> str:
-        from synccheck.analyzer.paths import describe_lits
-        return describe_lits(acc, lits)
+    def model_name(self, model) -> str:
+        """The name a wrapper was bound to where it was made (``model``, ``self.model``)."""
+        from synccheck.analyzer.project.static import _binding
+        if not hasattr(model, "site"):
+            return "the model"
+        name = _binding(self.program, model)
+        return "the model" if name == "the wrapper" else name
 
-    def grads_rescaled(self, acc) -> bool:
-        """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``)."""
-        text = self.model.code(acc.function.node) if acc.function.name != "<module>" else self.model.source
-        return any(w in text for w in ("multiply_grads", ".grad.div_", ".grad.mul_", "scale_grads", "grad /=",
-                                       "grad *="))
-
-    def step_text(self, acc, backward) -> str:
-        """How the step that follows this backward is spelled (``scaler.step(opt)``)."""
-        for path in acc.paths:
-            for r in path.records[path.records.index(backward) + 1:] if backward in path.records else ():
-                if type(r).__name__ == "Step" and acc.steps_model(r, backward.model):
-                    return self.model.code(r.node).strip()
-        return "optimizer.step()"
+    def control_text(self, flow, site) -> str:
+        """How a sync control was written (``model.no_sync()``), from the site that turned sync off."""
+        if site is None:
+            return "no_sync"
+        module, node = self.node(flow, site)
+        if node is None:
+            return "no_sync"
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            node = node.items[0].context_expr
+        text = self.text(module, node)
+        return text.splitlines()[0] if text else "no_sync"
 
     @staticmethod
-    def model_name(key: Optional[str]) -> str:
-        if not key:
-            return "the model"
-        key = key.split(":", 1)[-1]          # local to a function: the name as written
-        if key.startswith("@"):
-            return "self." + key.split(".", 1)[1]
-        return key
+    def text(module, node) -> str:
+        return (ast.get_source_segment(module.text, node) or ast.unparse(node)).strip()
 
 
 def select_rules(select: Optional[Sequence[str]] = None, ignore: Optional[Sequence[str]] = None) -> list:
@@ -82,17 +83,77 @@ def select_rules(select: Optional[Sequence[str]] = None, ignore: Optional[Sequen
 
 
 def wanted_rules(text: str, rules: Sequence) -> list:
-    """Stage 2b: the cheap filter. Rules whose words the text lacks cannot fire; skip them."""
+    """The rules whose words the text holds (for a single text; a project runs every selected rule)."""
     return [r for r in rules if r.code != "SC000" and r.wants(text)]
 
 
-def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = None,
-                 filtered: bool = True, measure_whole_file: bool = False) -> list:
-    """Findings for one source text (no file system, no cache).
+# ---------------------------------------------------------------------------------------------------
 
-    ``measure_whole_file``: position findings with libcst's metadata over the whole file, the slow
-    reference the tests compare the per-function positions against.
-    """
+def analyse(project, rules: Sequence) -> dict:
+    """Findings per path for every linted module of a project."""
+    from synccheck.analyzer.project.program import Program
+
+    program = Program(project)
+    ctx = RuleContext(program)
+    try:
+        for rule in rules:
+            if rule.code != "SC000":
+                rule().check(ctx)
+        raw = ctx.raw
+        ctx.raw = []
+        return _positioned(raw)
+    finally:
+        program.close()
+
+
+def _positioned(raw: list) -> dict:
+    out: dict = {}
+    seen = set()
+    for rule, module, node, message, fix in raw:
+        (line, column), (end_line, end_column) = position(module, node)
+        key = (module.path, rule.code, line, column)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.setdefault(module.path, []).append(Finding(rule.code, rule.name, rule.severity, module.path, line, column,
+                                                       end_line, end_column, message, fix))
+    for findings in out.values():
+        findings.sort(key=lambda f: (f.line, f.column, f.code))
+    return out
+
+
+def position(module, node) -> tuple:
+    """1-based (line, column), (end line, end column) in characters (ast counts UTF-8 bytes)."""
+    lines = getattr(module, "_lines", None)
+    if lines is None:
+        lines = module._lines = module.text.splitlines()
+    line, col = node.lineno, node.col_offset
+    end_line, end_col = getattr(node, "end_lineno", None) or line, getattr(node, "end_col_offset", None) or col
+    return (line, _chars(lines, line, col) + 1), (end_line, _chars(lines, end_line, end_col) + 1)
+
+
+def _chars(lines: list, line: int, offset: int) -> int:
+    if not 0 < line <= len(lines):
+        return offset
+    text = lines[line - 1]
+    if text.isascii():
+        return offset
+    return len(text.encode("utf-8")[:offset].decode("utf-8", errors="ignore"))
+
+
+def _parse_error(path: str, error) -> Finding:
+    rule = BY_CODE["SC000"]
+    line, column, message = error
+    return Finding(rule.code, rule.name, rule.severity, path, line, column, line, column,
+                   f"cannot parse: {message}", "fix the syntax error; nothing else in this file was checked")
+
+
+def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = None,
+                 filtered: bool = True) -> list:
+    """Findings for one source text on its own (no other file is read)."""
+    from synccheck.analyzer.parse import parse
+    from synccheck.analyzer.project.index import Project
+
     rules = list(ALL_RULES) if rules is None else list(rules)
     off = file_ignores(text)
     if off == ALL:
@@ -101,57 +162,15 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
     active = [r for r in active if not ignored(r.code, off)]
     if not active:
         return []
-    from synccheck.analyzer.narrow import narrow
-    from synccheck.analyzer.parse import parse
-
-    anchors = tuple(sorted({w for r in active for w in r.anchors}))
-    loop_anchors = tuple(sorted({w for r in active for w in r.loop_anchors}))
-    branch_anchors = tuple(sorted({pair for r in active for pair in r.branch_anchors}))
-    loop_rules = [r for r in active if r.loop_anchors]
-    companions = () if any(not r.loop_companions for r in loop_rules) else \
-        tuple(sorted({w for r in loop_rules for w in r.loop_companions}))
-    narrowed, tree, error, line_map = narrow(text, anchors, loop_anchors, branch_anchors, companions)
-    module = None
-    if narrowed is not None:
-        module, error = parse(narrowed)
-        if error is not None and line_map:
-            error = (line_map[min(error[0], len(line_map)) - 1],) + tuple(error[1:])
-    if module is None:
+    tree, error = parse(text, path)
+    if tree is None:
         if any(r.code == "SC000" for r in rules):
-            line, column, message = error
-            rule = BY_CODE["SC000"]
-            return suppressed(text, [Finding(rule.code, rule.name, rule.severity, path, line, column, line,
-                                              column, f"cannot parse: {message}",
-                                              "fix the syntax error; nothing else in this file was checked")])
+            return suppressed(text, [_parse_error(path, error)])
         return []
-    from synccheck.analyzer.model import ModuleModel
-    ctx = RuleContext(ModuleModel(module, path, source=narrowed), path)
-    for rule in active:
-        rule().check(ctx)
-    positioned = _positioned(ctx.model, None if measure_whole_file else tree, path, ctx.raw, line_map)
-    return suppressed(text, positioned, tree)
-
-
-def _positioned(model, tree, path: str, raw: list, line_map=None) -> list:
-    """Positions for reported nodes only.
-
-    libcst's PositionProvider re-generates the code it measures (~10x the cost of the parse), so it
-    runs on the function (or top-level statement) that holds each finding, and the stdlib-ast twin of
-    that statement says where it starts in the file.
-    """
-    if not raw:
-        return []
-    from synccheck.analyzer.positions import locate
-
-    out: dict = {}
-    for (rule, node, message, fix), pos in zip(raw, locate(model, tree, [r[1] for r in raw], line_map)):
-        if pos is None:
-            continue
-        (line, column), (end_line, end_column) = pos
-        finding = Finding(rule.code, rule.name, rule.severity, path, line, column, end_line, end_column,
-                          message, fix)
-        out.setdefault((finding.code, finding.line, finding.column), finding)
-    return sorted(out.values(), key=lambda f: (f.line, f.column, f.code))
+    project = Project(filesystem=False)
+    project.add(path, text, tree)
+    findings = analyse(project, active).get(path, [])
+    return suppressed(text, findings, tree)
 
 
 def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
@@ -159,29 +178,204 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
          ignored_codes=lambda path: ()) -> LintResult:
     """The whole pipeline over files and folders. ``cache_dir=None``: no cache.
 
+    Files are analysed in components (the files that import one another, see imports.py), each one
+    project; components run in a process pool when there are enough of them to pay for one.
     ``is_excluded(path)`` and ``ignored_codes(path)`` (code prefixes not reported for that file) come
-    from the configuration; the cache holds results before ``ignored_codes``, so it stays valid when
-    they change.
+    from the configuration; the cache holds results before ``ignored_codes``.
     """
     rules = list(ALL_RULES) if rules is None else list(rules)
-    codes = tuple(r.code for r in rules)
-    gates = tuple({g.encode() for r in rules for g in r.gate()})
     paths = list(paths)
     jobs = jobs if jobs is not None else _usable_cpus()
+    codes = tuple(r.code for r in rules)
     cache = None
     if cache_dir is not None:
         from synccheck.analyzer.cache import Cache
         cache = Cache(cache_dir, codes)
     pool = _Pool(jobs)
-    if not (cache and cache.by_path) and any(os.path.isdir(p) for p in paths) \
-            and all(os.path.exists(p) for p in paths):
-        # A cold folder walk: start the workers now, so that they import libcst and the rules (~0.3 s)
-        # while this process finds, reads and gates the files.
-        pool.start()
     try:
-        return _lint(paths, codes, gates, pool, is_excluded, cache, ignored_codes)
+        result = _lint(paths, codes, pool, is_excluded, cache)
     finally:
         pool.close()
+    if cache is not None:
+        cache.save()
+    result.findings = [f for f in result.findings if not ignored(f.code, ignored_codes(f.path))]
+    result.findings.sort(key=lambda f: (f.path, f.cell or 0, f.line, f.column, f.code))
+    return result
+
+
+class _Entry:
+    """One discovered file: its content key, whether the analysis wants it, its imports, its text."""
+    __slots__ = ("path", "key", "gated", "imports", "text", "notebook", "linted")
+
+    def __init__(self, path, key, gated, imports, text=None, notebook=None, linted=True) -> None:
+        self.path = path
+        self.key = key
+        self.gated = gated
+        self.imports = imports
+        self.text = text
+        self.notebook = notebook
+        self.linted = linted
+
+
+def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
+    from synccheck.analyzer.cache import component_key, content_key
+    from synccheck.analyzer.imports import Components, imported_names, importers_beside, read_imports
+
+    files = discover(paths, is_excluded)
+    result = LintResult(files=len(files))
+    explicit = {os.path.abspath(p) for p in paths if os.path.isfile(p)}
+    entries: dict = {}
+    fresh_files = 0
+    for path in files:
+        apath = os.path.abspath(path)
+        known = cache.fresh(path) if cache is not None and not path.endswith(".ipynb") else None
+        if known is not None:
+            key, gated, imports = known
+            entries[apath] = _Entry(path, key, gated or apath in explicit, imports)
+            fresh_files += 1
+            continue
+        # a file named on the command line is analysed even without our words: its loop may run
+        # a backward through a helper in another file (a pre-commit hook passes such files)
+        entry, error = _read(path, content_key, imported_names, force=apath in explicit)
+        if error is not None:
+            result.errors.append(error)
+            continue
+        entries[apath] = entry
+        if cache is not None and not path.endswith(".ipynb"):
+            cache.note(path, entry.key, entry.gated, entry.imports)
+    candidates = {p: e for p, e in entries.items() if e.gated}
+    # a lint of single files (a pre-commit hook): the files beside them that import them are context
+    if candidates and all(os.path.isfile(p) for p in paths):
+        linted = set(candidates)
+        for apath in list(candidates):
+            for other in importers_beside(apath, linted):
+                entry, error = _read(other, content_key, imported_names)
+                if entry is not None and entry.gated:
+                    entry.linted = False
+                    candidates[os.path.abspath(other)] = entry
+    groups = Components(paths).build({p: e.imports for p, e in candidates.items()}, read_imports)
+    work = []
+    for group in groups:
+        members = []
+        for p in group:
+            entry = candidates.get(p)
+            if entry is None and p in entries:
+                # a linted file without any word of ours that a candidate imports (engine.py called
+                # by main.py): it is part of the project and its findings are reported
+                entry, error = _read(entries[p].path, content_key, imported_names, force=True)
+                if entry is None:
+                    continue
+            if entry is not None:
+                members.append(entry)
+        key = component_key([(e.path, e.key, e.linted) for e in members])
+        hit = cache.component(key) if cache is not None else None
+        if hit is not None:
+            result.findings.extend(hit[0])
+            result.errors.extend(hit[1])
+            continue
+        work.append((key, members))
+    result.cached = fresh_files if not work else fresh_files - sum(
+        1 for _, members in work for e in members if e.text is None)
+    if len(work) >= POOL_MIN_COMPONENTS:
+        pool.start()
+    order = sorted(range(len(work)), key=lambda i: -sum(len(e.text or "") + 1 for e in work[i][1]))
+    jobs_in = [([(e.path, e.text, e.notebook, e.linted) for e in work[i][1]], codes) for i in order]
+    for i, (findings, errors, parsed, deps) in zip(order, pool.map(_analyse_component, jobs_in)):
+        key, members = work[i]
+        result.findings.extend(findings)
+        result.errors.extend(errors)
+        result.parsed += parsed
+        if cache is not None:
+            cache.put(key, findings, errors, deps)
+    return result
+
+
+def _read(path: str, content_key, imported_names, force: bool = False):
+    if path.endswith(".ipynb"):
+        from synccheck.analyzer.notebook import read_notebook
+        notebook, error = read_notebook(path)
+        if error is not None:
+            return None, error
+        data = notebook.text.encode()
+        return _Entry(path, content_key(data), True, imported_names(data), notebook.text, notebook), None
+    data, error = read_bytes(path)
+    if data is None:
+        return None, error
+    key = content_key(data)
+    if not force and not any(w in data for w in PROJECT_WORDS) and b"\0" not in data[:8192]:
+        return _Entry(path, key, False, []), None     # nothing here a rule could use: not even decoded
+    text, error = decode_source(path, data)
+    if error is not None:
+        return None, error
+    return _Entry(path, key, True, imported_names(data), text), None
+
+
+def _analyse_component(args) -> tuple:
+    """(findings, file errors, files parsed, modules read beyond the component) for one component.
+    The cyclic garbage collector is off meanwhile: the trees stay alive until the component is done,
+    so collections their allocations trigger would scan them and free nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _analyse_files(*args)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _analyse_files(members: list, codes: tuple) -> tuple:
+    from synccheck.analyzer.parse import parse
+    from synccheck.analyzer.project.index import Project
+
+    rules = [BY_CODE[c] for c in codes]
+    findings: list = []
+    errors: list = []
+    parsed_files = []
+    project = Project(roots=[os.path.dirname(os.path.abspath(p)) for p, *_ in members])
+    parsed = 0
+    for path, text, notebook, linted in members:
+        if text is None:
+            data, error = read_bytes(path)
+            if data is None:
+                errors.append(error)
+                continue
+            text, error = decode_source(path, data)
+            if error is not None:
+                errors.append(error)
+                continue
+        off = file_ignores(text)
+        if linted and off == ALL:
+            continue
+        tree, error = parse(text, path)
+        parsed += 1
+        if tree is None:
+            if linted and "SC000" in codes and not ignored("SC000", off):
+                findings.extend(_mapped([_parse_error(path, error)], notebook))
+            continue
+        project.add(path, text, tree, linted=linted)
+        if linted:
+            parsed_files.append((path, text, notebook, tree, off))
+    by_path: dict = {}
+    if parsed_files:
+        try:
+            by_path = analyse(project, rules)
+        except RecursionError:
+            errors.append(FileError(parsed_files[0][0], "too deeply nested to analyse"))
+    for path, text, notebook, tree, off in parsed_files:
+        mine = [f for f in by_path.get(path, []) if not ignored(f.code, off)]
+        findings.extend(_mapped(suppressed(text, mine, tree), notebook))
+    deps = [m.path for m in project.modules() if not any(m.path == p for p, *_ in members)]
+    return findings, errors, parsed, deps
+
+
+def _mapped(findings: list, notebook) -> list:
+    return notebook.map_findings(findings) if notebook is not None else findings
+
+
+# ---------------------------------------------------------------------------------------------------
+# the process pool
+
+POOL_MIN_COMPONENTS = 4
 
 
 def _usable_cpus() -> int:
@@ -194,8 +388,7 @@ def _usable_cpus() -> int:
 
 
 class _Pool:
-    """A process pool started on demand: before the walk for a cold run over folders, else at the first
-    file that needs parsing, and only where enough of them (or a warm pool) make it pay."""
+    """A process pool started on demand, only where enough components make it pay."""
 
     def __init__(self, jobs: int) -> None:
         self.jobs = jobs
@@ -203,139 +396,16 @@ class _Pool:
 
     def start(self) -> None:
         if self.executor is None and self.jobs > 1:
-            self.executor = _start_pool(self.jobs)
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+            context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
+            self.executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context)
 
     def map(self, fn, work: list) -> list:
-        if self.executor is None and self.jobs > 1 and len(work) >= POOL_MIN_FILES:
-            self.start()
-        if self.executor is None or not work:
+        if self.executor is None or len(work) < 2:
             return list(map(fn, work))
         return list(self.executor.map(fn, work, chunksize=1))
 
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _start_pool(jobs: int):
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_warm_up)
-    pool.submit(int)     # with fork, the first task starts every worker
-    return pool
-
-
-def _warm_up() -> None:
-    """Run the whole analysis once on a small bad loop in each worker, before any file arrives: the
-    imports and libcst's lazily built machinery (~0.3 s) are then paid while the parent walks."""
-    try:
-        import textwrap
-        check_source(textwrap.dedent(BY_CODE["SC101"].INVALID[0]), "<warm-up>")
-    except Exception:
-        pass
-
-
-def _lint(paths, codes, gates, pool, is_excluded, cache, ignored_codes) -> LintResult:
-    files = discover(paths, is_excluded)
-    result = LintResult(files=len(files))
-    if cache is not None:
-        from synccheck.analyzer.cache import content_key
-    # Stage 2 in this process: reading, the cache and a one-word-per-rule gate on the raw bytes.
-    todo = []
-    for path in files:
-        if cache is not None:
-            hit = cache.fresh(path)
-            if hit is not None:
-                result.findings.extend(hit[0])
-                result.errors.extend(hit[1])
-                result.cached += 1
-                continue
-        data, error = read_bytes(path)
-        key = content_key(data) if (cache is not None and data is not None) else None
-        if key is not None:
-            hit = cache.get(path, key)
-            if hit is not None:
-                result.findings.extend(hit[0])
-                result.errors.extend(hit[1])
-                result.cached += 1
-                cache.put(path, key, *hit)
-                continue
-        if data is not None and not path.endswith(".ipynb") and not any(g in data for g in gates) \
-                and b"\0" not in data[:8192]:
-            # no rule can fire: not even decoded (most files of a code base end here)
-            if key is not None:
-                cache.put(path, key, [], [])
-            continue
-        if data is None:
-            result.errors.append(error)
-            continue
-        if path.endswith(".ipynb"):
-            from synccheck.analyzer.notebook import read_notebook
-            notebook, error = read_notebook(path)
-            if error is not None:
-                result.errors.append(error)
-                if key is not None:
-                    cache.put(path, key, [], [error])
-                continue
-            todo.append((path, notebook.text, key, notebook))
-        else:
-            # decoding and the rules' word checks run in the workers, beside the parse
-            todo.append((path, data, key, None))
-            if len(todo) == POOL_MIN_FILES:
-                pool.start()     # enough to pay for workers: they warm up while the walk goes on
-    # biggest files first, so one large file does not start last and finish alone
-    order = sorted(range(len(todo)), key=lambda i: -len(todo[i][1]))
-    work = [(todo[i][0], todo[i][1], codes) for i in order]
-    found = dict(zip(order, pool.map(_analyse, work)))
-    for i, (path, _, key, notebook) in enumerate(todo):
-        findings, errors, parsed = found[i]
-        if notebook is not None:
-            findings = notebook.map_findings(findings)
-        result.findings.extend(findings)
-        result.errors.extend(errors)
-        result.parsed += parsed
-        if cache is not None and key:
-            cache.put(path, key, findings, errors)
-    if cache is not None:
-        cache.save()
-    result.findings = [f for f in result.findings if not ignored(f.code, ignored_codes(f.path))]
-    result.findings.sort(key=lambda f: (f.path, f.cell or 0, f.line, f.column, f.code))
-    return result
-
-
-def _analyse(args) -> tuple:
-    """(findings, file errors, parsed?) for one file: raw bytes of a .py, or a notebook's joined text.
-
-    The cyclic garbage collector is off while one file is analysed. Building the ast and libcst
-    trees allocates hundreds of thousands of objects that all stay alive until the file is done, so
-    every collection the allocations trigger (one per 700) scans them and frees nothing: ~20% of
-    the time on torch's big files. The analysis must not leave its trees in reference cycles (a
-    recursive closure that reaches the model is one: delete it after use), so that reference
-    counting frees them as soon as the file is done; freeing torch's distributed_test.py through
-    the collector instead took a tenth of its analysis. tests/test_lint_memory.py checks both.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _analyse_one(args)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _analyse_one(args) -> tuple:
-    path, payload, codes = args
-    rules = [BY_CODE[c] for c in codes]
-    if isinstance(payload, bytes):
-        text, error = decode_source(path, payload)
-        if error is not None:
-            return [], [error], False
-        active = wanted_rules(text, rules)
-        if not active or file_ignores(text) == ALL:
-            return [], [], False
-        # the word checks are done: hand check_source the rules that passed (and SC000, if selected)
-        rules = [r for r in rules if r.code == "SC000"] + active
-        return check_source(text, path, rules, filtered=False), [], True
-    return check_source(payload, path, rules), [], True

@@ -1,25 +1,24 @@
-"""The analysis of one file leaves nothing for the cyclic garbage collector.
+"""The analysis leaves nothing for the cyclic garbage collector.
 
-engine._analyse keeps the collector off while a file is analysed (its trees are all alive until then,
-so collections would scan them for nothing) and relies on reference counting to free the trees once
-the file is done. A reference cycle that reaches them (a recursive closure that holds the model is
-the usual one) would keep a big file's trees until the collector ran, and make that run scan them.
+engine._analyse_component keeps the collector off while a component is analysed (its trees are all
+alive until then, so collections would scan them for nothing) and relies on reference counting to
+free the trees once it is done: the project, its modules and functions, the values and the flows
+point at each other while the analysis runs, and Program.close() breaks those references. A cycle
+left behind would keep every tree until the collector ran, and make that run scan them.
 """
 import gc
 import pathlib
 import textwrap
 
-import libcst
 import pytest
 
-from synccheck.analyzer.engine import _analyse
-from synccheck.analyzer.model import ModuleModel
+from synccheck.analyzer.engine import _analyse_component
+from synccheck.analyzer.project.index import Function, Module
 from synccheck.analyzer.rules import ALL_RULES
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 CODES = tuple(r.code for r in ALL_RULES)
-# A rank branch that runs a collective through a same-file helper (SC301's walk), padded past the size
-# at which narrowing drops what no rule needs (narrow.py's own walk, positions measured per function).
+# A rank branch that runs a collective through a helper (SC301), and a trainer whose loop spans methods.
 RANK_BRANCH = textwrap.dedent("""
     import torch.distributed as dist
 
@@ -38,13 +37,13 @@ def _sources():
         yield path.name, path.read_text()
 
 
-def _left_for_the_collector(text: str):
-    """(parsed?, what the collector finds unreachable after one file's analysis and nothing else ran)."""
+def _left_for_the_collector(name: str, text: str):
+    """(files parsed, what the collector finds unreachable after one analysis and nothing else ran)."""
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        findings, errors, parsed = _analyse(("<memory>.py", text.encode(), CODES))
+        findings, errors, parsed, deps = _analyse_component(([(name, text, None, True)], CODES))
         del findings, errors
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
@@ -62,21 +61,20 @@ SOURCES = list(_sources())
 
 @pytest.mark.parametrize("name,text", SOURCES, ids=[name for name, _ in SOURCES])
 def test_analysis_leaves_no_trees_in_cycles(name, text):
-    parsed, garbage = _left_for_the_collector(text)
-    if not parsed:
-        pytest.skip("no rule needs this file's tree")
-    held = [o for o in garbage if isinstance(o, (libcst.CSTNode, ModuleModel)) or type(o).__module__ == "ast"]
+    parsed, garbage = _left_for_the_collector(name, text)
+    assert parsed == 1
+    held = [o for o in garbage if isinstance(o, (Module, Function)) or type(o).__module__ == "ast"]
     assert not held, f"{name}: {len(held)} tree or model objects held in reference cycles, " \
                      f"e.g. {sorted({type(o).__name__ for o in held})[:5]}"
 
 
 def test_collector_state_is_restored():
     assert gc.isenabled()
-    _analyse(("a.py", RANK_BRANCH.encode(), CODES))
+    _analyse_component(([("a.py", RANK_BRANCH, None, True)], CODES))
     assert gc.isenabled()
     gc.disable()
     try:
-        _analyse(("a.py", RANK_BRANCH.encode(), CODES))
+        _analyse_component(([("a.py", RANK_BRANCH, None, True)], CODES))
         assert not gc.isenabled()
     finally:
         gc.enable()

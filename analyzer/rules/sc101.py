@@ -127,19 +127,18 @@ class SyncEveryMicrostep(Rule):
     """)
 
     def check(self, ctx):
-        for acc in ctx.loops:
-            if not acc.is_accumulating or acc.too_complex or ctx.unsynced_step(acc):
-                continue
-            for lits, backwards in acc.all_groups(False, acc.wasteful):
-                for b in backwards:
-                    if b.state.value == "off" or b.flag_after_forward is not None:
-                        continue   # a control covers the backward but not the forward: SC102
-                    if acc.has_controls(b.model):
-                        msg = (f"these micro-steps all-reduce gradients on every backward: no sync control "
-                               f"covers them ({ctx.describe(acc, lits)}), so N-1 of every N all-reduces "
-                               f"are wasted")
-                    else:
-                        msg = (f"`{ctx.model_name(b.model)}` all-reduces gradients on every micro-step of "
-                               f"this accumulation loop, though the optimizer steps only every few: N-1 of "
-                               f"every N all-reduces are wasted")
-                    ctx.report(self, b.node, msg, FIX)
+        from synccheck.analyzer.project.facts import wasted
+
+        for flow in ctx.flows:
+            for site, model, outcomes, group in wasted(flow):
+                module, node = ctx.node(flow, site)
+                name = ctx.model_name(model)
+                if any(t.synced != "on" for t, *_ in outcomes.records):
+                    when = outcomes.describe(group)
+                    msg = (f"these micro-steps of `{name}` all-reduce gradients on every backward: no sync control "
+                           f"covers them{' (when ' + when + ')' if when else ''}, so N-1 of every N all-reduces "
+                           f"are wasted")
+                else:
+                    msg = (f"`{name}` all-reduces gradients on every micro-step of this accumulation loop, though "
+                           f"the optimizer steps only every few: N-1 of every N all-reduces are wasted")
+                ctx.report(self, module, node, msg, FIX)

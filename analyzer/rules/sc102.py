@@ -92,25 +92,22 @@ class NoSyncMissesForward(Rule):
     """)
 
     def check(self, ctx):
-        for acc in ctx.loops:
-            if acc.too_complex:
-                continue
-            for path in acc.micro_steps(boundary=False):
-                for b in acc.dp_backwards(path, boundary=False):
-                    if b.kind not in ("ddp", "accelerate", "fabric") or b.forward is None:
-                        continue
-                    if b.forward.state.value == "on" and b.state.value == "off":
-                        how = b.state.how or "no_sync()"
-                        ctx.report(self, b.state.node,
-                                   f"`{how}` is entered after the forward ran: DDP decided at forward time "
-                                   f"that this backward all-reduces, so the context does nothing and every "
-                                   f"micro-step still synchronizes",
-                                   "move the forward (the `model(...)` call) inside the same context")
-                    elif b.flag_after_forward is not None:
-                        ctx.report(self, b.flag_after_forward,
-                                   "`require_backward_grad_sync` is set after the forward: DDP read the flag "
-                                   "when the forward ran, so this write only takes effect at the next "
-                                   "micro-step. The boundary backward runs with the value the previous "
-                                   "micro-step left (no sync): its gradients are never all-reduced and the "
-                                   "ranks diverge, while the micro-step after it syncs for nothing",
-                                   "set the flag before calling the model")
+        from synccheck.analyzer.project.facts import missed_forward
+
+        for flow in ctx.flows:
+            for by, site, model, kind in missed_forward(flow):
+                module, node = ctx.node(flow, by)
+                if kind == "flag":
+                    ctx.report(self, module, node,
+                               "`require_backward_grad_sync` is set after the forward: DDP read the flag when the "
+                               "forward ran, so this write only takes effect at the next micro-step. The boundary "
+                               "backward runs with the value the previous micro-step left (no sync): its gradients "
+                               "are never all-reduced and the ranks diverge, while the micro-step after it syncs "
+                               "for nothing", "set the flag before calling the model")
+                else:
+                    how = ctx.text(module, node)
+                    how = how.splitlines()[0].rstrip(":").removeprefix("with ").strip() if how else "no_sync()"
+                    ctx.report(self, module, node,
+                               f"`{how}` is entered after the forward ran: DDP decided at forward time that this "
+                               f"backward all-reduces, so the context does nothing and every micro-step still "
+                               f"synchronizes", "move the forward (the `model(...)` call) inside the same context")

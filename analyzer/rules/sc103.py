@@ -121,30 +121,32 @@ class UnsyncedStep(Rule):
     """)
 
     def check(self, ctx):
-        for acc in ctx.loops:
-            for lits, backwards in ctx.unsynced_step(acc):
-                for b in backwards:
-                    if b.forward is not None and b.forward.state.value == "off" and b.state.value == "on":
-                        ctx.report(self, b.node,
-                                   f"the forward of this micro-step ran inside `{b.forward.state.how}` but "
-                                   f"this backward runs outside it: DDP decides at forward time, so these "
-                                   f"gradients are never all-reduced and the optimizer steps on each rank's "
-                                   f"own gradients; ranks silently diverge", FIX)
-                        continue
-                    state = b.forward.state if (b.forward is not None and b.kind in
-                                                ("ddp", "accelerate", "fabric")) else b.state
-                    every = not any(acc.wasteful(x) for p in acc.micro_steps(False)
-                                    for x in acc.dp_backwards(p, boundary=False))
-                    when = ctx.describe(acc, lits)
-                    step = ctx.step_text(acc, b)
-                    if every:
-                        detail = f"sync is off on every micro-step, the one before `{step}` included"
-                    else:
-                        detail = (f"sync is off on the micro-step before `{step}`"
-                                  f"{' (when ' + when + ')' if when else ''}: the sync condition does not "
-                                  f"match the step's condition")
-                    node = state.node if state.node is not None else b.node
-                    ctx.report(self, node,
-                               f"{detail}, so the optimizer steps on gradients that were never all-reduced "
-                               f"(`{state.how or 'no_sync'}`); each rank applies a different update and the "
-                               f"replicas silently diverge", FIX)
+        from synccheck.analyzer.project.facts import unsynced_steps
+
+        for flow in ctx.flows:
+            for step_site, token, outcomes, group in unsynced_steps(flow):
+                module, node = ctx.node(flow, token.site)
+                step_module, step_node = ctx.node(flow, step_site)
+                step = ctx.text(step_module, step_node) if step_node is not None else "optimizer.step()"
+                if token.forward_outside:
+                    how = ctx.control_text(flow, token.by)
+                    ctx.report(self, module, node,
+                               f"the forward of this micro-step ran inside `{how}` but this backward runs "
+                               f"outside it: DDP decides at forward time, so these gradients are never "
+                               f"all-reduced and the optimizer steps on each rank's own gradients; ranks "
+                               f"silently diverge", FIX)
+                    continue
+                how = ctx.control_text(flow, token.by)
+                every = all(t.synced == "off" for t, *_ in outcomes.records)
+                if every:
+                    detail = f"sync is off on every micro-step, the one before `{step}` included"
+                else:
+                    when = outcomes.describe(group)
+                    detail = (f"sync is off on the micro-step before `{step}`"
+                              f"{' (when ' + when + ')' if when else ''}: `{how}` is active at the boundary, so the "
+                              f"sync condition does not match the step's condition")
+                at_module, at_node = ctx.node(flow, token.by) if token.by is not None else (module, node)
+                ctx.report(self, at_module or module, at_node or node,
+                           f"{detail}, so the optimizer steps on gradients that were never all-reduced "
+                           f"(`{how}`); each rank applies a different update and the replicas silently diverge",
+                           FIX)

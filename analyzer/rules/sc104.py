@@ -67,18 +67,17 @@ class NoSyncOnUnwrapped(Rule):
     """)
 
     def check(self, ctx):
-        m = ctx.model
-        for call, target, how in m.sync_calls:
-            if not target:
-                continue
-            if target.endswith(".module"):
-                ctx.report(self, call, f"`{how}` names the module inside the wrapper: a plain nn.Module has no "
-                                       f"no_sync(), so this raises AttributeError (or, through accelerate, "
-                                       f"silently does nothing and every micro-step still all-reduces)",
-                           f"call no_sync() on the wrapper itself (`{ctx.model_name(target[:-7])}`)")
-            elif target in m.originals and not m.lookup(target):
-                wrapper = ctx.model_name(m.originals[target])
-                ctx.report(self, call, f"`{how}` names the original module, not the wrapper `{wrapper}` built "
-                                       f"from it: nothing skips the all-reduce (accelerate falls back to a "
-                                       f"nullcontext; a plain module has no no_sync)",
-                           f"use `{wrapper}` here")
+        from synccheck.analyzer.project.static import no_sync_on_unwrapped
+
+        for found in no_sync_on_unwrapped(ctx.program):
+            if found.kind == "module":
+                ctx.report(self, found.module, found.node,
+                           f"`{found.how}` names the module inside the wrapper: a plain nn.Module has no "
+                           f"no_sync(), so this raises AttributeError (or, through accelerate, silently does "
+                           f"nothing and every micro-step still all-reduces)",
+                           f"call no_sync() on the wrapper itself (`{found.wrapper_text}`)")
+            else:
+                ctx.report(self, found.module, found.node,
+                           f"`{found.how}` names the original module, not the wrapper `{found.wrapper_text}` built "
+                           f"from it: nothing skips the all-reduce (accelerate falls back to a nullcontext; a plain "
+                           f"module has no no_sync)", f"use `{found.wrapper_text}` here")

@@ -68,17 +68,10 @@ class AccumulateWithoutSteps(Rule):
     """)
 
     def check(self, ctx):
-        m = ctx.model
-        for call, owner in m.accumulate_calls:
-            obj = m.framework.get(owner) if owner else None
-            if obj is None or obj.kind != "accelerate":
-                continue      # built elsewhere: we cannot know how it was configured
-            if any(k in obj.kwargs for k in ("gradient_accumulation_steps", "gradient_accumulation_plugin")):
-                continue
-            if any(arg.star for arg in obj.node.args):
-                continue      # Accelerator(**kwargs)
-            if any(key == owner for key, _, _ in m.framework_setattrs):
-                continue
-            ctx.report(self, call, f"`{ctx.model_name(owner)}` was built without gradient_accumulation_steps, so "
-                                   f"accumulate() syncs and steps on every micro-batch: no accumulation happens",
+        from synccheck.analyzer.project.static import accumulate_without_steps
+
+        for found in accumulate_without_steps(ctx.program):
+            ctx.report(self, found.module, found.node,
+                       f"`{found.accelerator_text}` was built without gradient_accumulation_steps, so accumulate() "
+                       f"syncs and steps on every micro-batch: no accumulation happens",
                        "pass gradient_accumulation_steps=N to Accelerator(...)")

@@ -61,25 +61,12 @@ class StaticGraphNoSync(Rule):
     """)
 
     def check(self, ctx):
-        static = {key for key, ws in ctx.model.wrapped.items()
-                  if any(w.kind == "ddp" and _truthy(w.options.get("static_graph")) for w in ws)}
-        if not static:
-            return
-        for acc in ctx.loops:
-            for path in acc.paths:
-                if not acc.first_micro_step_possible(path):
-                    continue
-                for b in acc.dp_backwards(path):
-                    fwd = b.forward
-                    if b.model in static and fwd is not None and fwd.state.value == "off" and fwd.state.node is not None:
-                        ctx.report(self, fwd.state.node,
-                                   f"`{ctx.model_name(b.model)}` has static_graph=True and this turns sync off on "
-                                   f"the very first micro-step: DDP's reducer fails an internal assert "
-                                   f"(pytorch#143580)", "let iteration 0 sync, or drop static_graph=True")
+        from synccheck.analyzer.project.facts import first_iteration_off
 
-
-def _truthy(node) -> bool:
-    if node is None:
-        return False
-    name = getattr(node, "value", None)
-    return name not in ("False", "None", "0")
+        for flow in ctx.flows:
+            for site, model, by in first_iteration_off(flow):
+                module, node = ctx.node(flow, by)
+                ctx.report(self, module, node,
+                           f"`{ctx.model_name(model)}` has static_graph=True and this turns sync off on the very "
+                           f"first micro-step: DDP's reducer fails an internal assert (pytorch#143580)",
+                           "let iteration 0 sync, or drop static_graph=True")

@@ -56,41 +56,12 @@ class ZeroGradEveryMicrostep(Rule):
     """)
 
     def check(self, ctx):
-        from synccheck.analyzer.paths import ZeroGrad
-        managed = ctx.model.managed_optimizers
-        for acc in ctx.loops:
-            if not acc.is_accumulating or acc.too_complex:
-                continue
-            accumulating = acc.micro_steps(False)
-            per_path = []
-            for path in accumulating:
-                if any(b.state.value == "managed" for b in path.backwards):
-                    per_path = []
-                    break
-                accumulating_models = {b.model for b in path.backwards if not acc.boundary_of(path, b)}
-                zeros = [r for r in path.records if isinstance(r, ZeroGrad) and r.target not in managed
-                         and not any(w.kind in ("accelerate", "deepspeed") for w in ctx.model.lookup(r.target))
-                         and _clears(ctx.model, r.target, accumulating_models)]
-                if not zeros:
-                    per_path = []
-                    break
-                per_path.append(zeros)
-            for zeros in per_path:
-                for z in zeros:
-                    ctx.report(self, z.node, f"`{ctx.model.code(z.node).strip()}` runs on every micro-step of this "
-                                             f"accumulation loop: it wipes the gradients accumulated so far, so the "
-                                             f"optimizer only ever sees the last micro-batch",
-                               "move zero_grad() next to optimizer.step(), inside the boundary branch")
+        from synccheck.analyzer.project.facts import wiped
 
-
-def _clears(model, target, models) -> bool:
-    """Does ``target.zero_grad()`` clear the gradients of one of these models?"""
-    from synccheck.analyzer.paths import bare
-
-    if not target or None in models:
-        return True
-    owner = model.optimizer_model.get(target) or next(
-        (v for k, v in model.optimizer_model.items() if bare(k) == bare(target)), None)
-    if owner is None and model.lookup(target):
-        owner = target                      # model.zero_grad()
-    return owner is None or any(bare(owner) == bare(m) for m in models)
+        for flow in ctx.flows:
+            for site, token, outcomes, group in wiped(flow):
+                module, node = ctx.node(flow, site)
+                ctx.report(self, module, node,
+                           f"`{ctx.text(module, node)}` runs on every micro-step of this accumulation loop: it wipes "
+                           f"the gradients accumulated so far, so the optimizer only ever sees the last micro-batch",
+                           "move zero_grad() next to optimizer.step(), inside the boundary branch")

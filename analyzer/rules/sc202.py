@@ -71,61 +71,24 @@ class UnscaledAccumulatedLoss(Rule):
     """)
 
     def check(self, ctx):
-        for acc in ctx.loops:
-            if not acc.is_accumulating or acc.too_complex:
+        from synccheck.analyzer.project.facts import accumulating_backwards
+
+        for flow in ctx.flows:
+            if _grads_rescaled(flow):
                 continue
-            backwards = [b for p in acc.micro_steps(False) for b in p.backwards if not acc.boundary_of(p, b)]
-            if not backwards or any(b.state.value == "managed" for b in backwards) or ctx.grads_rescaled(acc):
-                continue
-            reported = set()
-            for b in backwards:
-                if b.via not in ("loss.backward", "scaler.scale(loss).backward", "fabric.backward",
-                                 "torch.autograd.backward") or b.arg is None or id(b.node) in reported:
+            for site, info in accumulating_backwards(flow):
+                if info.via not in ("loss.backward", "scaler.scale(loss).backward", "fabric.backward",
+                                    "torch.autograd.backward", "loss_scaler") or info.scaled is not False:
                     continue
-                if _scaled(ctx.model, b.arg, b.env, 0):
-                    continue
-                reported.add(id(b.node))
-                ctx.report(self, b.node, "this loss reaches backward() undivided while gradients accumulate over "
-                                         "several micro-steps: the step applies the sum of N gradients, an N-times "
-                                         "larger update than the large-batch training it stands for",
+                ctx.report(self, info.module, info.node,
+                           "this loss reaches backward() undivided while gradients accumulate over several "
+                           "micro-steps: the step applies the sum of N gradients, an N-times larger update than "
+                           "the large-batch training it stands for",
                            "divide the loss by the number of micro-steps (`loss / accum_steps`)")
 
 
-def _scaled(model, expr, env, depth) -> bool:
-    """Is the loss divided or multiplied on its way here? Unknown origins count as scaled."""
-    import libcst as cst
-
-    if expr is None or depth > 10:
-        return True
-    if isinstance(expr, cst.BinaryOperation):
-        if isinstance(expr.operator, (cst.Divide, cst.Multiply, cst.FloorDivide)):
-            return True
-        return _scaled(model, expr.left, env, depth + 1) or _scaled(model, expr.right, env, depth + 1)
-    if isinstance(expr, cst.Name):
-        bound = env.get(expr.value)
-        if bound is None or bound is expr:
-            return True     # a parameter or a name from elsewhere: cannot tell
-        if isinstance(bound, cst.Name) and bound.value == "__unknown__":
-            return True
-        return _scaled(model, bound, {k: v for k, v in env.items() if k != expr.value}, depth + 1)
-    if isinstance(expr, (cst.Attribute, cst.Subscript)):
-        return _scaled(model, expr.value, env, depth + 1)
-    if isinstance(expr, cst.Call):
-        func = expr.func
-        if isinstance(func, cst.Attribute):
-            if func.attr.value == "scale" and expr.args:        # scaler.scale(loss)
-                return _scaled(model, expr.args[0].value, env, depth + 1)
-            if func.attr.value in ("mean", "sum", "float", "double", "half", "to", "squeeze", "clone", "contiguous"):
-                return _scaled(model, func.value, env, depth + 1)
-        name = getattr(func, "value", None) if isinstance(func, cst.Name) else None
-        local = model.defs.get(name) if name else None
-        if local is not None:
-            return any(_scaled(model, ret, {}, depth + 1) for ret in _returns(local[0]))
-        return False        # a loss function's fresh result: unscaled
-    return True
-
-
-def _returns(fdef) -> list:
-    from synccheck.analyzer.model import _block, _small_statements
-    import libcst as cst
-    return [s.value for s in _small_statements(_block(fdef.body)) if isinstance(s, cst.Return) and s.value]
+def _grads_rescaled(flow) -> bool:
+    """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``)."""
+    texts = [m.text for m in {id(m): m for m, _ in flow.records.nodes.values()}.values()]
+    return any(w in t for t in texts for w in ("multiply_grads", ".grad.div_", ".grad.mul_", "scale_grads",
+                                                  "grad /=", "grad *=", ".grad.data.div_", ".grad.data.mul_"))

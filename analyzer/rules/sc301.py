@@ -218,50 +218,11 @@ class CollectiveInRankBranch(Rule):
     """)
 
     def check(self, ctx):
-        from synccheck.analyzer.model import Event, If, Inline, Loop, With
+        from synccheck.analyzer.project.static import collectives_in_rank_branches
 
-        def collectives(nodes, via=None):
-            """(node to report, what) for every collective run by these IR nodes."""
-            out = []
-            for n in nodes:
-                if isinstance(n, Event) and n.kind == "collective":
-                    out.append((via or n.node, n.target, via is not None))
-                elif isinstance(n, If):
-                    out.extend(collectives(n.body, via) + collectives(n.orelse, via))
-                elif isinstance(n, (With, Loop)):
-                    out.extend(collectives(n.body, via))
-                elif isinstance(n, Inline):
-                    out.extend(collectives(n.body, via or n.call))
-            return out
-
-        def visit(nodes):
-            for n in nodes:
-                if isinstance(n, If):
-                    if RANK_TEST.search(ctx.model.code(n.test)):
-                        body, orelse = collectives(n.body), collectives(n.orelse)
-                        other = {what for _, what, _ in orelse}
-                        mine = {what for _, what, _ in body}
-                        for node, what, inlined in body:
-                            if what not in other:
-                                self._report(ctx, node, what, inlined, n)
-                        for node, what, inlined in orelse:
-                            if what not in mine:
-                                self._report(ctx, node, what, inlined, n)
-                    visit(n.body)
-                    visit(n.orelse)
-                elif isinstance(n, (With, Loop, Inline)):
-                    visit(n.body)
-
-        for function in ctx.model.functions:
-            visit(function.body)
-        # Recursive closures refer to themselves through their cells; ``visit`` also holds ctx, and so
-        # the model and its trees: break the cycles so that reference counting frees them
-        # (engine._analyse keeps the cyclic collector off while a file is analysed).
-        del visit, collectives
-
-    def _report(self, ctx, node, what, inlined, branch):
-        test = ctx.model.code(branch.test).strip()
-        through = " (through this call)" if inlined else ""
-        ctx.report(self, node, f"`{what}` is a collective but runs only on the ranks where `{test}` holds"
-                               f"{through}: the other ranks never join it and the job hangs",
-                   "call it on every rank, after the rank-dependent block")
+        for found in collectives_in_rank_branches(ctx.program):
+            through = " (through this call)" if found.through else ""
+            ctx.report(self, found.module, found.node,
+                       f"`{found.what}` is a collective but runs only on the ranks where `{found.test_text}` holds"
+                       f"{through}: the other ranks never join it and the job hangs",
+                       "call it on every rank, after the rank-dependent block")

@@ -48,15 +48,9 @@ class SamplerWithoutSetEpoch(Rule):
     """)
 
     def check(self, ctx):
-        import libcst as cst
+        from synccheck.analyzer.project.static import samplers_without_set_epoch
 
-        m = ctx.model
-        if not m.samplers or not m.epoch_loops or "set_epoch" in m.source:
-            return
-        for key, call in m.samplers.items():
-            shuffle = next((a.value for a in call.args if a.keyword is not None and a.keyword.value == "shuffle"), None)
-            if isinstance(shuffle, cst.Name) and shuffle.value == "False":
-                continue
-            ctx.report(self, call, f"`{ctx.model_name(key)}` is a DistributedSampler but set_epoch() is never called: "
-                                   f"every epoch replays the same order on every rank",
-                       f"call `{ctx.model_name(key)}.set_epoch(epoch)` at the start of each epoch")
+        for found in samplers_without_set_epoch(ctx.program):
+            ctx.report(self, found.module, found.node,
+                       f"`{found.name}` is a DistributedSampler but set_epoch() is never called: every epoch replays "
+                       f"the same order on every rank", f"call `{found.name}.set_epoch(epoch)` at the start of each epoch")

@@ -1,0 +1,176 @@
+"""Stage 2b: which files belong together, read from their import lines (no parse).
+
+A finding in ``engine.py`` can depend on ``main.py`` (which wraps the model and calls the loop), so
+files are analysed in *components*: the files that import one another, directly or through project
+modules the lint does not parse. Components are independent: they can be analysed in parallel, and
+a cached result stays valid until a file of its component (or a module it read) changes.
+
+When the lint is given single files (a pre-commit hook passes only what changed), the files beside
+them that import them are added as *context*: read for the values they pass in (the DDP model
+``main.py`` hands to ``engine.train_one_epoch``), never reported on.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterable, Optional
+
+_FROM = re.compile(rb"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]*)", re.M)
+_IMPORT = re.compile(rb"^[ \t]*import[ \t]+([^\n#]+)", re.M)
+MAX_CONTEXT_SCAN = 300          # files beside a linted file scanned for importers
+MAX_HOPS = 200                  # project modules read only to connect components
+
+
+def imported_names(data: bytes) -> list:
+    """(level, dotted name) of every module an import line may name: ``from a import b`` gives a and
+    a.b (b may be a submodule)."""
+    out = []
+    for level, module, names in _FROM.findall(data):
+        level = len(level)
+        mod = module.decode("ascii", "ignore")
+        if mod or level:
+            out.append((level, mod))
+        for name in re.findall(rb"[A-Za-z_]\w*(?:\s+as\s+\w+)?", names.strip(b"()")):
+            name = name.split()[0].decode("ascii", "ignore")
+            if name != "as":
+                out.append((level, f"{mod}.{name}" if mod else name))
+    for names in _IMPORT.findall(data):
+        for part in names.split(b","):
+            name = part.strip().split()[0].decode("ascii", "ignore") if part.strip() else ""
+            if name:
+                out.append((0, name))
+    return out
+
+
+def module_paths(path: str, level: int, name: str, roots: list) -> list:
+    """Files ``import name`` (with ``level`` leading dots) may load, from the file at ``path``."""
+    parts = name.split(".") if name else []
+    here = os.path.dirname(os.path.abspath(path))
+    if level:
+        base = here
+        for _ in range(level - 1):
+            base = os.path.dirname(base)
+        bases = [base]
+    else:
+        bases = [here] + [r for r in _package_roots(here) if r != here] + roots
+    out = []
+    for base in bases:
+        target = os.path.join(base, *parts) if parts else base
+        out.append(target + ".py")
+        out.append(os.path.join(target, "__init__.py"))
+    return out
+
+
+def _package_roots(directory: str) -> list:
+    roots = []
+    d = directory
+    while os.path.isfile(os.path.join(d, "__init__.py")):
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    roots.append(d)
+    from synccheck.analyzer.project.index import project_root
+    project = project_root(directory)
+    if project:
+        roots.append(project)
+        src = os.path.join(project, "src")
+        if os.path.isdir(src):
+            roots.append(src)
+    return roots
+
+
+class Components:
+    """Union-find over the files being linted (and the project files that connect them)."""
+
+    def __init__(self, roots: Iterable[str]) -> None:
+        self.roots = [os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in roots]
+        self.parent: dict = {}
+
+    def find(self, x: str) -> str:
+        root = x
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while self.parent.get(x, x) != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+    def build(self, files: dict, read_imports) -> list:
+        """Components of ``files`` (abspath -> imports list), following non-linted project modules
+        (``read_imports(abspath)`` gives theirs, or None) for at most MAX_HOPS files."""
+        known = dict(files)
+        todo = list(files)
+        hops = 0
+        while todo:
+            path = todo.pop()
+            self.parent.setdefault(path, path)
+            for level, name in known.get(path) or ():
+                for candidate in module_paths(path, level, name, self.roots):
+                    if candidate in known:
+                        self.union(path, candidate)
+                        break
+                    if hops < MAX_HOPS and os.path.isfile(candidate):
+                        hops += 1
+                        imports = read_imports(candidate)
+                        known[candidate] = imports
+                        if imports is not None:
+                            todo.append(candidate)
+                        self.union(path, candidate)
+                        break
+        groups: dict = {}
+        for path in known:
+            if path in files or path in self.parent:
+                groups.setdefault(self.find(path), []).append(path)
+        return [g for g in groups.values() if any(p in files for p in g)]
+
+
+def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:
+    """Files in the folder of ``path`` (and of its package root) that import it: context for a lint
+    of single files."""
+    here = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem == "__init__":
+        stem = os.path.basename(here)
+    word = stem.encode()
+    out = []
+    scanned = 0
+    for directory in dict.fromkeys([here] + _package_roots(here)[:1]):
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            candidate = os.path.join(directory, name)
+            if candidate in linted or candidate == os.path.abspath(path):
+                continue
+            scanned += 1
+            if scanned > limit:
+                return out
+            try:
+                with open(candidate, "rb") as fh:
+                    data = fh.read(1_000_000)
+            except OSError:
+                continue
+            if word not in data:
+                continue
+            for level, mod in imported_names(data):
+                last = mod.rsplit(".", 1)[-1]
+                if last == stem:
+                    out.append(candidate)
+                    break
+    return out
+
+
+def read_imports(path: str) -> Optional[list]:
+    try:
+        with open(path, "rb") as fh:
+            return imported_names(fh.read(2_000_000))
+    except OSError:
+        return None

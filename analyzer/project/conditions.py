@@ -1,0 +1,218 @@
+"""Conditions in the source -> guards (see guards.py).
+
+``cond(test)`` gives two guards: the assignments under which the test may be true and those under
+which it may be false. For a test made of atoms and ``and`` / ``or`` / ``not`` they are exact
+complements; a part we do not model (a call we cannot see into, a test no event depends on) makes
+both sides ``TRUE`` for that part, which is a sound *may* answer.
+
+Atoms are canonical: ``a != b`` is ``not (a == b)``, ``(i + c) % n == r`` is keyed by ``(i, n, r - c)``,
+the loop counter's ``t == n - 1`` / ``t + 1 == n`` / ``i == len(loader) - 1`` is the loop's LAST atom, and
+every atom carries the definitions of the names it reads (so ``i`` before and after ``i += 1`` differ).
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form
+
+BOTH = (TRUE, TRUE)
+
+
+def free_names(node) -> list:
+    """Names and dotted attribute chains an expression reads, outermost chains only."""
+    out = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Name):
+            out.append(n.id)
+            continue
+        if isinstance(n, ast.Attribute):
+            chain = _dotted(n)
+            if chain is not None:
+                out.append(chain)
+                continue
+        stack.extend(ast.iter_child_nodes(n))
+    return out
+
+
+def _dotted(node) -> Optional[str]:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def volatile(node) -> bool:
+    """A test whose value may change without any name being rebound (a call, an item of a batch)."""
+    return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in ast.walk(node))
+
+
+class Conditions:
+    """Evaluates tests for one Flow; knows the atoms table and how to read the local environment."""
+
+    def __init__(self, flow) -> None:
+        self.flow = flow
+        self.atoms = flow.atoms
+
+    def cond(self, node, st, fr, relevant: bool = True) -> tuple:
+        """(may be true, may be false) guards of a test."""
+        t = type(node)
+        if t is ast.BoolOp:
+            parts = [self.cond(v, st, fr, relevant) for v in node.values]
+            if isinstance(node.op, ast.And):
+                true, false = TRUE, FALSE
+                for pt, pf in parts:
+                    true &= pt
+                    false |= pf
+            else:
+                true, false = FALSE, TRUE
+                for pt, pf in parts:
+                    true |= pt
+                    false &= pf
+            return true, false
+        if t is ast.UnaryOp and isinstance(node.op, ast.Not):
+            pt, pf = self.cond(node.operand, st, fr, relevant)
+            return pf, pt
+        if t is ast.Constant:
+            return (TRUE, FALSE) if node.value else (FALSE, TRUE)
+        if t is ast.NamedExpr:
+            self.flow.expr(node, st, fr)
+            return self.cond(node.value, st, fr, relevant)
+        if t is ast.Name:
+            known = st.env.get(node.id)
+            if known is not None:
+                if known.cond is not None:
+                    return known.cond
+                const = _constant(known)
+                if const is not None:
+                    return (TRUE, FALSE) if const else (FALSE, TRUE)
+            else:
+                const = self.flow.constant(node.id, fr)
+                if const is not None:
+                    return (TRUE, FALSE) if const else (FALSE, TRUE)
+        if t is ast.Call:
+            value = self.flow.expr(node, st, fr)
+            if value.cond is not None:
+                return value.cond
+            const = _constant(value)
+            if const is not None:
+                return (TRUE, FALSE) if const else (FALSE, TRUE)
+        elif t is ast.Compare:
+            # events inside a comparison (a call in ``if step(x) == 0``) still happen
+            for sub in [node.left] + list(node.comparators):
+                if any(isinstance(n, ast.Call) for n in ast.walk(sub)):
+                    self.flow.expr(sub, st, fr)
+            folded = self._fold(node, fr)
+            if folded is not None:
+                return (TRUE, FALSE) if folded else (FALSE, TRUE)
+        if not relevant:
+            return BOTH
+        return self.literal(node, st, fr)
+
+    def literal(self, node, st, fr) -> tuple:
+        polarity = True
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotEq):
+            node = ast.Compare(node.left, [ast.Eq()], node.comparators)
+            polarity = False
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotIn):
+            node = ast.Compare(node.left, [ast.In()], node.comparators)
+            polarity = False
+        last = self._last(node, st, fr)
+        if isinstance(last, _Negated):
+            atom, polarity = last.atom, not polarity
+        else:
+            atom = last
+        if atom is None:
+            text = _text(fr, node)
+            mod = mod_form(node) if isinstance(node, ast.Compare) else None
+            versions = tuple(self.flow.version(n, st) for n in free_names(node))
+            dump = ast.dump(node)
+            if mod is not None:
+                key = ("MOD", mod, versions)
+                atom = self.atoms.get(key, text, ((mod[0], versions), mod[1], mod[2]))
+            else:
+                atom = self.atoms.get((dump, versions), text)
+            if atom is None:
+                return BOTH
+            if atom.counter is None and mod is not None:
+                atom.counter = self.flow.counter_loop(mod[0], fr)
+            self.flow.note_atom(atom, versions, volatile(node) or fr.depth > 0)
+        true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
+        return (true, false) if polarity else (false, true)
+
+    def _last(self, node, st, fr):
+        """The LAST atom of an enclosing counted loop, when the test reads its counter that way."""
+        if not isinstance(node, ast.Compare):
+            return None
+        for loop in reversed(fr.loops):
+            if loop.counter is None or loop.bound is None:
+                continue
+            is_last = last_form(node, loop.counter, loop.bound)
+            if is_last is None:
+                continue
+            atom = self.flow.last_atom(loop)
+            if atom is None:
+                return None
+            if not is_last:
+                return _Negated(atom)
+            return atom
+        return None
+
+    def _fold(self, node, fr) -> Optional[bool]:
+        """``x % 1 == 0`` where the modulus is a constant 1 (accumulation that cannot happen)."""
+        mod = mod_form(node)
+        if mod is None:
+            return None
+        try:
+            modulus = ast.literal_eval(_parse_dump(mod[1]))
+        except Exception:
+            modulus = None
+        if modulus is None:
+            name = _name_in_dump(mod[1])
+            modulus = self.flow.constant(name, fr) if name else None
+        if modulus == 1:
+            return True
+        return None
+
+
+class _Negated:
+    """Stands for ``not LAST``: literal() turns it back into guards."""
+    def __init__(self, atom) -> None:
+        self.atom = atom
+
+
+def _constant(value) -> Optional[bool]:
+    from synccheck.analyzer.project.values import Const
+    vals = value.values
+    if len(vals) == 1:
+        (v,) = tuple(vals)
+        if isinstance(v, Const) and isinstance(v.value, (bool, int)) or (isinstance(v, Const) and v.value is None):
+            return bool(v.value)
+    return None
+
+
+def _text(fr, node) -> str:
+    module = fr.module
+    text = ast.get_source_segment(module.text, node) if hasattr(node, "lineno") else None
+    return (text or ast.unparse(node)).strip()
+
+
+def _parse_dump(dump: str):
+    # mod_form keys the modulus by ast.dump; a constant's dump is "Constant(value=1)"
+    if dump.startswith("Constant(value=") and dump.endswith(")"):
+        return dump[len("Constant(value="):-1]
+    raise ValueError(dump)
+
+
+def _name_in_dump(dump: str) -> Optional[str]:
+    if dump.startswith("Name(id='"):
+        return dump[len("Name(id='"):].split("'", 1)[0]
+    if dump.startswith("Attribute("):
+        return None
+    return None

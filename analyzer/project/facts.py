@@ -1,0 +1,234 @@
+"""Stage 7: the facts rules query, read off the sync dataflow's records.
+
+A *micro-step* is one trip through a loop that runs a backward. Its backward leaves a token (see
+state.py); how that token is resolved says what kind of micro-step it was:
+
+* ``stepped``: the optimizer stepped next -- a *boundary* micro-step;
+* ``superseded``: the next backward of the same model came first -- an *accumulating* micro-step
+  (and its all-reduce, if DDP did one, was wasted);
+* ``wiped``: ``zero_grad`` came first -- its gradients were thrown away.
+
+Verdicts are drawn per *group*: the assignments of the conditions that decide whether this backward
+is followed by a step (its gate). A verdict must hold on every assignment of a group -- every path
+that agrees on the gate -- so a condition unrelated to the schedule (``if log_this_step:``) never
+produces a finding on its own, while an off-by-one between the sync condition and the step's
+condition, which excludes the synced case on the boundary, does.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.guards import MAX_ATOMS, assignments, depends_on
+from synccheck.analyzer.project.state import PLAIN
+
+
+class Backward(NamedTuple):
+    module: object
+    node: object
+    via: str
+    scaled: Optional[bool]
+
+
+class Records:
+    """What one Flow saw. Guards OR together across the fixpoint's rounds."""
+
+    def __init__(self, flow) -> None:
+        self.flow = flow
+        self.nodes: dict = {}            # site -> (module, node)
+        self.resolutions: dict = {}      # (token, kind, resolver site, across a loop?) -> guard
+        self.reach: dict = {}            # step site -> guard
+        self.forwards: dict = {}         # (site, model, decided, by, first, enclosing loops) -> guard
+        self.backwards: dict = {}        # site -> Backward
+        self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
+
+    def node(self, site, module, node) -> None:
+        self.nodes.setdefault(site, (module, node))
+
+    def resolve(self, token, kind: str, site, guard: int) -> None:
+        g = token.frozen if token.frozen is not None else guard
+        key = (token._replace(frozen=None), kind, site, token.frozen is not None)
+        self.resolutions[key] = self.resolutions.get(key, 0) | g
+
+    def reached(self, site, guard: int) -> None:
+        self.reach[site] = self.reach.get(site, 0) | guard
+
+    def forward(self, site, model, decided, by, first, guard: int) -> None:
+        key = (site, model, decided, by, first, tuple(self.flow.loop_stack))
+        self.forwards[key] = self.forwards.get(key, 0) | guard
+
+    def backward(self, site, module, node, via: str, loss, fr) -> None:
+        scaled = loss.scaled if loss is not None else None
+        old = self.backwards.get(site)
+        if old is not None:
+            # scaled on some path (or unknown) is scaled: only a loss undivided everywhere is reported
+            if old.scaled is not False or scaled is not False:
+                scaled = True if (old.scaled or scaled) else None
+        self.backwards[site] = Backward(module, node, via, scaled)
+
+    def misses_forward(self, by, site, model, kind: str, guard: int) -> None:
+        key = (by, site, model, kind)
+        self.missed[key] = self.missed.get(key, 0) | guard
+
+
+# ---------------------------------------------------------------------------------------------------
+# queries
+
+NON_BOUNDARY = ("superseded", "wiped")
+
+
+class Population:
+    """The micro-steps of one model in one loop: the tokens of every backward it runs there, and
+    how they were resolved, grouped by the step's gate."""
+
+    def __init__(self, flow, model, loop, records: list) -> None:
+        self.flow = flow
+        self.model = model
+        self.loop = loop
+        # (token, kind, resolver, across, guard). Only what happens *between* micro-steps tells their
+        # kind: a backward superseded within its own iteration (two losses of one step, a GAN's
+        # generator loss through D) says nothing about accumulation, nor does a shared backward.
+        records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)]
+        self.records = records
+        atoms = len(flow.atoms.atoms)
+        self.width_mask = (1 << (1 << atoms)) - 1 if atoms < MAX_ATOMS else -1
+        stepped = 0
+        for token, kind, resolver, across, guard in records:
+            if kind == "stepped":
+                stepped |= guard
+        self.stepped = stepped & self.width_mask
+        self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index)]
+        self.accumulating = bool(self.stepped) and any(kind in NON_BOUNDARY and across
+                                                       for _, kind, _, across, _ in records)
+
+    @property
+    def data_parallel(self) -> bool:
+        m = self.model
+        return m != PLAIN and m.kind in vocab.DATA_PARALLEL and not m.single
+
+    @property
+    def managed(self) -> bool:
+        return any(t.synced == "managed" for t, *_ in self.records)
+
+    def groups(self, kinds=None) -> dict:
+        """gate assignment -> {(token, kind, resolver)} of the records (of these kinds) holding on it."""
+        gate_bits = 0
+        for k in self.gate:
+            gate_bits |= 1 << k
+        out: dict = {}
+        universe = self.flow.atoms.universe & self.width_mask
+        for token, kind, resolver, across, guard in self.records:
+            if kinds is not None and kind not in kinds:
+                continue
+            for a in assignments(guard & universe):
+                out.setdefault(a & gate_bits, set()).add((token, kind, resolver))
+        return out
+
+    def describe(self, group: int) -> str:
+        return self.flow.atoms.describe_assignment(group, self.gate)
+
+
+def populations(flow) -> list:
+    cached = getattr(flow, "_populations", None)
+    if cached is not None:
+        return cached
+    by_key: dict = {}
+    for (token, kind, resolver, across), guard in flow.records.resolutions.items():
+        key = (token.model, token.loops[-1] if token.loops else None)
+        by_key.setdefault(key, []).append((token, kind, resolver, across, guard))
+    flow._populations = [Population(flow, model, loop, records) for (model, loop), records in by_key.items()]
+    return flow._populations
+
+
+def unsynced_steps(flow) -> list:
+    """(step site, token, population, group) where every boundary micro-step of a gate group steps
+    on gradients that were never all-reduced: SC103's fact."""
+    out = []
+    for pop in populations(flow):
+        if not pop.data_parallel:
+            continue
+        for group, outcomes in pop.groups(("stepped",)).items():
+            if outcomes and all(t.synced == "off" for t, _, _ in outcomes) and \
+                    not any(t.misses_forward and t.by is not None and _is_flag(flow, t.by) for t, _, _ in outcomes):
+                token, _, resolver = sorted(outcomes, key=repr)[0]
+                out.append((resolver, token, pop, group))
+                break
+    return out
+
+
+def wasted(flow) -> list:
+    """(backward site, model, population, group) where every accumulating micro-step of a gate group
+    all-reduced its gradients, all but the boundary's for nothing: SC101's fact."""
+    out = []
+    unsynced = {id(pop) for _, _, pop, _ in unsynced_steps(flow)}
+    for pop in populations(flow):
+        if not pop.data_parallel or not pop.accumulating or id(pop) in unsynced:
+            continue
+        if any(t.misses_forward or t.forward_outside for t, *_ in pop.records):
+            continue
+        for group, outcomes in pop.groups(NON_BOUNDARY).items():
+            if outcomes and all(t.synced == "on" for t, _, _ in outcomes) and \
+                    any(kind == "superseded" for _, kind, _ in outcomes):
+                for site in sorted({t.site for t, kind, _ in outcomes if kind == "superseded"}):
+                    out.append((site, pop.model, pop, group))
+                break
+    return out
+
+
+def _is_flag(flow, site) -> bool:
+    module, node = flow.records.nodes.get(site, (None, None))
+    return node is not None and type(node).__name__ in ("Assign", "AnnAssign")
+
+
+def wiped(flow) -> list:
+    """(zero_grad site, token, population, group) where every accumulating micro-step of a gate group
+    has its gradients thrown away before the step: SC201's fact."""
+    out = []
+    for pop in populations(flow):
+        if not pop.stepped or pop.managed:
+            continue
+        if not any(kind == "wiped" and across for _, kind, _, across, _ in pop.records):
+            continue
+        for group, outcomes in pop.groups(NON_BOUNDARY).items():
+            if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
+                for token, kind, resolver in sorted(outcomes, key=repr):
+                    out.append((resolver, token, pop, group))
+                break
+    return out
+
+
+def accumulating_backwards(flow) -> list:
+    """(site, Backward) of backwards whose micro-steps accumulate (the next backward comes before the
+    step, in a later iteration) in a loop that steps: SC202's subject."""
+    out, done = [], set()
+    for pop in populations(flow):
+        if not pop.accumulating or pop.managed:
+            continue
+        for token, kind, resolver, across, guard in pop.records:
+            if token.site in done or kind not in NON_BOUNDARY:
+                continue
+            info = flow.records.backwards.get(token.site)
+            if info is not None:
+                done.add(token.site)
+                out.append((token.site, info))
+    return out
+
+
+def missed_forward(flow) -> list:
+    """(control or flag site, backward site, model, kind) of DDP controls that cover a backward but
+    not its forward (SC102's fact)."""
+    return [key for key, guard in flow.records.missed.items() if guard and key[0] is not None]
+
+
+def first_iteration_off(flow) -> list:
+    """(forward site, model, by) where a static_graph DDP model's very first forward runs with sync
+    off (SC106's fact)."""
+    out = []
+    for (site, model, decided, by, first, loops), guard in flow.records.forwards.items():
+        if model == PLAIN or model.kind != "ddp" or not model.static_graph or decided != "off" or by is None:
+            continue
+        if not loops or not set(loops) <= set(first):
+            continue
+        if guard & flow.first_mask(first):
+            out.append((site, model, by))
+    return out

@@ -1,0 +1,198 @@
+"""Conditions as formulas: which micro-steps does a branch, a sync control or an optimizer step run on?
+
+The sync analysis keeps, beside each state, the set of *assignments* of the conditions that matter
+under which the state is reached. A condition that matters is an *atom*: ``(i + 1) % n == 0``, a
+counter test ``micro == accum``, the loop's last iteration ``i == len(loader) - 1``, a helper's
+``is_last`` parameter bound to one of those. With at most ``MAX_ATOMS`` atoms an assignment is a
+number below ``2 ** MAX_ATOMS`` and a set of assignments is a Python int used as a bit set (a truth
+table): and, or and not are single integer operations, equal formulas are equal ints, and the cost
+does not grow with the number of paths through the code.
+
+Two kinds of knowledge prune assignments that cannot happen:
+* ``(i + c) % n == r`` forms over the same ``i`` and ``n`` exclude each other unless ``r - c`` agree
+  (so an off-by-one between a sync condition and the step's condition is visible);
+* an atom is keyed by its expression *and* the definitions of the names it reads, so
+  ``i % n == 0`` before and after ``i += 1`` are different atoms.
+Conditions beyond the budget, or that no event depends on, are not atoms: both branches are taken
+under the same assignments (a *may* answer), and the rules only report verdicts that hold on every
+assignment of the step's own conditions.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+MAX_ATOMS = 10
+WIDTH = 1 << MAX_ATOMS
+TRUE = (1 << WIDTH) - 1
+FALSE = 0
+
+
+def _atom_mask(k: int) -> int:
+    """The assignments in which atom ``k`` is true: blocks of 2**k ones every 2**(k+1) bits."""
+    block = ((1 << (1 << k)) - 1) << (1 << k)
+    period = 1 << (k + 1)
+    mask = 0
+    for start in range(0, WIDTH, period):
+        mask |= block << start
+    return mask
+
+
+MASKS = [_atom_mask(k) for k in range(MAX_ATOMS)]
+
+
+def exists(formula: int, k: int) -> int:
+    """Forget atom ``k``: the assignments that agree with some member of ``formula`` on every other atom."""
+    shift = 1 << k
+    low = formula & ~MASKS[k] & TRUE
+    high = formula & MASKS[k]
+    return low | (low << shift) | high | (high >> shift)
+
+
+def depends_on(formula: int, k: int) -> bool:
+    shift = 1 << k
+    return (formula & ~MASKS[k] & TRUE) != ((formula & MASKS[k]) >> shift)
+
+
+def assignments(formula: int):
+    """The assignment numbers in a formula."""
+    while formula:
+        low = formula & -formula
+        yield low.bit_length() - 1
+        formula ^= low
+
+
+class Atom:
+    __slots__ = ("index", "key", "text", "mod", "loop", "counter")
+
+    def __init__(self, index: int, key, text: str, mod=None) -> None:
+        self.index = index
+        self.key = key
+        self.text = text
+        self.mod = mod            # (counter key, modulus key, residue) for ``(i + c) % n == r``
+        self.loop = None          # the loop whose last iteration this is (LAST atoms)
+        self.counter = None       # the loop whose counter a mod form reads (first-iteration values)
+
+
+class Atoms:
+    """The atom table of one analysis (one training loop and everything it calls)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict = {}
+        self.atoms: list = []
+        self.universe = TRUE
+        self.overflowed = False
+
+    def get(self, key, text: str, mod=None) -> Optional[Atom]:
+        atom = self.by_key.get(key)
+        if atom is not None:
+            return atom
+        if len(self.atoms) >= MAX_ATOMS:
+            self.overflowed = True
+            return None
+        atom = Atom(len(self.atoms), key, text, mod)
+        self.atoms.append(atom)
+        self.by_key[key] = atom
+        if mod is not None:
+            for other in self.atoms[:-1]:
+                if other.mod is not None and other.mod[:2] == mod[:2] and not _compatible(other.mod, mod):
+                    # both true is impossible: (i + c) % n == 0 and (i + d) % n == 0 with c != d
+                    self.universe &= ~(MASKS[atom.index] & MASKS[other.index]) & TRUE
+        return atom
+
+    def formula(self, atom: Atom, value: bool = True) -> int:
+        mask = MASKS[atom.index]
+        return (mask if value else ~mask & TRUE) & self.universe
+
+    def describe_assignment(self, assignment: int, among) -> str:
+        """Words for one assignment of some atoms: `(i + 1) % n == 0` is false, ..."""
+        parts = []
+        for index in among:
+            atom = self.atoms[index]
+            value = bool(assignment >> index & 1)
+            if atom.loop is not None:
+                parts.append(f"on {atom.text}" if value else f"before {atom.text}")
+            else:
+                parts.append(f"`{atom.text}` is {'true' if value else 'false'}")
+        return ", ".join(parts)
+
+    def describe(self, formula: int, among: Optional[set] = None) -> str:
+        """Words for a conjunction: ``(i + 1) % n == 0`` is false, on the last micro-step, ..."""
+        parts = []
+        for atom in self.atoms:
+            if among is not None and atom.index not in among:
+                continue
+            on = formula & MASKS[atom.index]
+            off = formula & ~MASKS[atom.index] & TRUE
+            if on and not off:
+                parts.append(f"`{atom.text}` is true")
+            elif off and not on:
+                parts.append(f"`{atom.text}` is false")
+        return ", ".join(parts)
+
+
+def _compatible(a, b) -> bool:
+    """Two mod forms over the same counter and modulus can both hold only with the same residue."""
+    return a[2] == b[2]
+
+
+def mod_form(node: ast.AST):
+    """``(x + c) % n == r`` (or ``x % n == n - 1``) -> (x dump, n dump, r - c); None otherwise."""
+    if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq)):
+        return None
+    left, right = node.left, node.comparators[0]
+    if isinstance(left, ast.Constant) and isinstance(right, ast.BinOp):
+        left, right = right, left
+    if not (isinstance(left, ast.BinOp) and isinstance(left.op, ast.Mod)):
+        return None
+    modulus = ast.dump(left.right)
+    base, offset = left.left, 0
+    if isinstance(base, ast.BinOp) and isinstance(base.op, (ast.Add, ast.Sub)) and \
+            isinstance(base.right, ast.Constant) and isinstance(base.right.value, int):
+        offset = base.right.value if isinstance(base.op, ast.Add) else -base.right.value
+        base = base.left
+    if isinstance(right, ast.Constant) and isinstance(right.value, int) and not isinstance(right.value, bool):
+        residue = right.value
+    elif isinstance(right, ast.BinOp) and isinstance(right.op, ast.Sub) and \
+            ast.dump(right.left) == modulus and isinstance(right.right, ast.Constant):
+        residue = -right.right.value
+    else:
+        return None
+    return ast.dump(base), modulus, residue - offset
+
+
+def last_form(node: ast.AST, target: str, bound: str) -> Optional[bool]:
+    """``t == n - 1`` / ``t + 1 == n`` / ``t >= n - 1`` for ``for t in range(n)``: True when the test means
+    "this is the last iteration", False when it means "not the last" (``t < n - 1``), else None."""
+    if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
+        return None
+    op = node.ops[0]
+    left, right = node.left, node.comparators[0]
+
+    def is_t(n) -> bool:
+        return isinstance(n, ast.Name) and n.id == target
+
+    def minus_one(n) -> bool:
+        return isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and ast.dump(n.left) == bound and \
+            isinstance(n.right, ast.Constant) and n.right.value == 1
+
+    def plus_one(n) -> bool:
+        return isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add) and is_t(n.left) and \
+            isinstance(n.right, ast.Constant) and n.right.value == 1
+
+    if (is_t(left) and minus_one(right)) or (plus_one(left) and ast.dump(right) == bound):
+        if isinstance(op, (ast.Eq, ast.GtE)):
+            return True
+        if isinstance(op, (ast.Lt, ast.NotEq)):
+            return False
+    if is_t(left) and ast.dump(right) == bound and isinstance(op, ast.Lt):
+        return None
+    return None
+
+
+def first_value(atom: Atom) -> Optional[bool]:
+    """The value of a mod-form atom on its loop's first iteration (counter 0): ``(0 + c) % n == r``
+    holds exactly when ``r - c`` is 0 (n > 1)."""
+    if atom.mod is None:
+        return None
+    return atom.mod[2] == 0

@@ -1,0 +1,313 @@
+"""The whole-program model the rules query: the project index, its values, and the sync dataflow of
+every training loop in it.
+
+A *root* is a function (or a script's top level) holding a loop that reaches a backward pass,
+itself or through the project functions it calls. Each root gets one Flow; callees are analysed in
+place from there, so a loop spread over a trainer's methods, or over ``main.py`` and ``engine.py``,
+is seen whole. Findings are kept only where their node is: in a linted file.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.index import Function, Module, Project
+from synccheck.analyzer.project.values import (Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values, Wrapper)
+
+# Calls whose names make a file worth a root: words a training loop must say.
+STEP_WORDS = ("step",)
+SYNC_WORDS = ("no_sync", "require_backward_grad_sync", "set_requires_gradient_sync", "no_backward_sync",
+              "accumulate")
+EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate", "set_requires_gradient_sync",
+                         "no_backward_sync", "enter_context")) | vocab.GRAD_SYNC
+MAX_ROOT_WORK = 400_000
+
+
+class Program:
+    def __init__(self, project: Project) -> None:
+        self.project = project
+        self.values = Values(project)
+        self._words: dict = {}
+        self._stmt_words: dict = {}
+        self._inferred = None
+        self._wrapping = None
+        self._managed = None
+        self._flows = None
+        self.mentions_no_sync = any("no_sync" in m.text for m in project.modules())
+        self.incomplete: list = []      # roots whose analysis hit a budget
+
+    def close(self) -> None:
+        """Let go of everything (see Project.close): flows point back at this program."""
+        for flow in self._flows or ():
+            flow.close()
+        self._flows = None
+        self.values.close()
+        self._words.clear()
+        self._stmt_words.clear()
+        self.project.close()
+
+    # -- flows ---------------------------------------------------------------------------------------
+    def flows(self) -> list:
+        if self._flows is None:
+            from synccheck.analyzer.project.syncflow import Flow
+            self._flows = []
+            work = 0
+            for root in self.roots():
+                if work > MAX_ROOT_WORK:
+                    self.incomplete.append(root)
+                    continue
+                flow = Flow(self, root).run()
+                work += flow.work
+                if flow.incomplete:
+                    self.incomplete.append(root)
+                self._flows.append(flow)
+        return self._flows
+
+    def roots(self) -> list:
+        out = []
+        for module in self.project.modules():
+            for fn in module.functions.values():
+                if _has_loop(fn.node.body) and self._loop_reaches_backward(fn.node.body, fn):
+                    out.append(fn)
+            top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                       ast.ClassDef))]
+            if _has_loop(top) and self._loop_reaches_backward(top, module):
+                out.append(module)
+        return out
+
+    def _loop_reaches_backward(self, body, scope) -> bool:
+        for loop in _loops(body):
+            words = self.words(loop.body, scope)
+            if "backward" in words and ("step" in words or words & set(SYNC_WORDS)):
+                return True
+        return False
+
+    # -- words: what a block of code may do, through the project functions it calls -------------------
+    def words(self, stmts, scope) -> frozenset:
+        if not stmts:
+            return frozenset()
+        key = (id(stmts[0]), len(stmts), id(scope))
+        found = self._stmt_words.get(key)
+        if found is None:
+            found = self._stmt_words[key] = self._words_of(stmts, scope)
+        return found
+
+    def _words_of(self, stmts, scope) -> frozenset:
+        out = set()
+        for stmt in stmts:
+            for node in _walk_no_defs(stmt):
+                t = type(node)
+                if t is ast.Call:
+                    func = node.func
+                    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+                    if name in EVENT_CALLS:
+                        if name == "step" and isinstance(func, ast.Attribute) and _receiver_is_scheduler(func.value):
+                            continue
+                        out.add(name)
+                    for fn in self.call_targets(node, scope):
+                        out |= self.fn_words(fn)
+                    if self.wrappers(self.values.expr(func, scope)):
+                        out.add("forward")
+                    elif _wraps(self.values.expr(node, scope)):
+                        out.add("wrap")
+                elif t in (ast.Continue, ast.Break, ast.Return, ast.Raise):
+                    out.add("exit")
+                elif t is ast.Attribute and isinstance(node.ctx, ast.Store) and node.attr == "require_backward_grad_sync":
+                    out.add("require_backward_grad_sync")
+        return frozenset(out)
+
+    def fn_words(self, fn: Function) -> frozenset:
+        found = self._words.get(fn.uid)
+        if found is not None:
+            return found
+        self._words[fn.uid] = frozenset()        # a call cycle ends here
+        words = set(self._words_of(fn.node.body, fn))
+        words.discard("exit")
+        words.discard("wrap")
+        self._words[fn.uid] = frozenset(words)
+        return self._words[fn.uid]
+
+    def call_targets(self, call: ast.Call, scope) -> list:
+        out = []
+        for v in self.values.expr(call.func, scope):
+            if isinstance(v, (Func, Bound)):
+                out.append(v.fn)
+            elif isinstance(v, Cls):
+                init = self.project.attribute(v.cls, "__init__")
+                if isinstance(init, Function):
+                    out.append(init)
+            elif isinstance(v, Inst):
+                method = self.project.attribute(v.cls, "__call__")
+                if isinstance(method, Function):
+                    out.append(method)
+        return out
+
+    def returns_scaled(self, fn: Function) -> Optional[bool]:
+        """Does what ``fn`` returns go through a division or multiplication (``return loss / accum``)?"""
+        key = ("scaled", fn.uid)
+        if key not in self._words:
+            info = self.values.info(fn)
+            self._words[key] = None
+            found = False
+            todo, seen = list(info.returns), set()
+            while todo:
+                expr = todo.pop()
+                for node in ast.walk(expr):
+                    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+                        found = True
+                    elif isinstance(node, ast.Name) and node.id not in seen:
+                        seen.add(node.id)
+                        todo.extend(value for value, _ in info.assigns.get(node.id, ()))
+            self._words[key] = found
+        return self._words[key]
+
+    def has_events(self, fn: Function) -> bool:
+        return bool(self.fn_words(fn))
+
+    def relevant_branch(self, stmt, fr) -> bool:
+        return bool(self.words(stmt.body, fr.scope) | self.words(stmt.orelse, fr.scope))
+
+    def decides_step(self, stmt: ast.If, fr) -> bool:
+        body, orelse = self.words(stmt.body, fr.scope), self.words(stmt.orelse, fr.scope)
+        return ("step" in body) != ("step" in orelse) or "exit" in body or "exit" in orelse
+
+    def steps_in(self, stmts, fr) -> bool:
+        return "step" in self.words(stmts, fr.scope)
+
+    def loop_runs_backward(self, loop, fr) -> bool:
+        return "backward" in self.words(loop.body, fr.scope)
+
+    # -- models --------------------------------------------------------------------------------------
+    def wrappers(self, vals) -> frozenset:
+        """The data-parallel models among these values (DDP inferred from ``x.no_sync()`` use too)."""
+        out = set()
+        inferred = None
+        for v in vals:
+            if isinstance(v, Wrapper):
+                out.add(v)
+            elif isinstance(v, Obj):
+                if inferred is None:
+                    inferred = self.inferred()
+                kind = inferred.get(v.site)
+                if kind:
+                    out.add(Wrapper(kind, v.site))
+        return frozenset(out)
+
+    def inferred(self) -> dict:
+        """Objects we cannot trace to a wrapper but whose use says they are one: ``x.no_sync()``,
+        ``x.require_backward_grad_sync = ...`` (DDP), ``x.set_requires_gradient_sync(...)`` (FSDP2)."""
+        if self._inferred is None:
+            self._inferred = {}
+            wrapped = self.wrapping()
+            callsites = self.values.callsites()
+            for name, kind in (("no_sync", "ddp"), ("set_requires_gradient_sync", "fsdp2")):
+                for scope, call in callsites.get(name, ()):
+                    if name == "no_sync" and call.args:
+                        continue
+                    if isinstance(call.func, ast.Attribute):
+                        self._infer_from(self.values.expr(call.func.value, scope), kind, wrapped)
+            for module in self.project.modules():
+                for scope in [module] + list(module.functions.values()):
+                    info = self.values.info(scope)
+                    for receiver, attr, _, _ in info.obj_attrs:
+                        if attr == "require_backward_grad_sync":
+                            self._infer_from(self.values.expr(receiver, scope), "ddp", wrapped)
+        return self._inferred
+
+    def _infer_from(self, vals, kind: str, wrapped: dict) -> None:
+        if any(isinstance(v, (Wrapper, Inner)) for v in vals):
+            return
+        for v in vals:
+            if isinstance(v, Obj) and v not in wrapped:
+                self._inferred.setdefault(v.site, kind)
+
+    def wrapping(self) -> dict:
+        """Obj -> the wrappers built around it (``ddp = DDP(model)``: model's object -> ddp)."""
+        if self._wrapping is None:
+            self._wrapping = {}
+            names = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "prepare",
+                     "prepare_model", "setup", "setup_module", "initialize"}
+            for module in self.project.modules():
+                for local, (mod, attr, _) in module.imports.items():
+                    if attr in ("DistributedDataParallel", "FullyShardedDataParallel"):
+                        names.add(local)
+            callsites = self.values.callsites()
+            for name in names:
+                for scope, call in callsites.get(name, ()):
+                    for v in self.values.expr(call, scope):
+                        for w in _wrappers_in(v):
+                            for inner in self.values.wrapped_by(w):
+                                if isinstance(inner, Obj):
+                                    self._wrapping.setdefault(inner, set()).add(w)
+        return self._wrapping
+
+    def models_of(self, owners) -> frozenset:
+        """The wrapper keys of an optimizer's owners (a wrapper, its ``.module``, what it wraps)."""
+        out = set()
+        wrapping = None
+        for v in owners:
+            if isinstance(v, Wrapper):
+                out.add(v)
+            elif isinstance(v, Inner):
+                out.add(v.wrapper)
+            elif isinstance(v, Obj):
+                if wrapping is None:
+                    wrapping = self.wrapping()
+                out |= wrapping.get(v, set())
+                out |= self.wrappers((v,))
+        return frozenset(out)
+
+    def managed_models(self) -> frozenset:
+        """Models under LocalSGD / a model averager: their gradient sync is off by design."""
+        if self._managed is None:
+            out = set()
+            for name in vocab.LOCAL_SGD:
+                for scope, call in self.values.callsites().get(name, ()):
+                    for v in self.values.expr(call, scope):
+                        if isinstance(v, LocalSGD):
+                            out |= self.wrappers(self.values.context_models(v))
+            self._managed = frozenset(out)
+        return self._managed
+
+
+def _wraps(vals) -> bool:
+    return any(_wrappers_in(v) for v in vals)
+
+
+def _wrappers_in(v) -> list:
+    from synccheck.analyzer.project.values import Tup
+    if isinstance(v, Wrapper):
+        return [v]
+    if isinstance(v, Tup):
+        return [w for item in v.items for x in item for w in _wrappers_in(x)]
+    return []
+
+
+def _receiver_is_scheduler(node) -> bool:
+    text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    text = text.lower()
+    return "sched" in text or text in ("lr", "warmup", "ema") or text.endswith("_lr")
+
+
+def _walk_no_defs(node):
+    """ast.walk without entering nested functions, classes or lambdas."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        for child in ast.iter_child_nodes(n):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                continue
+            stack.append(child)
+
+
+def _has_loop(body) -> bool:
+    return any(True for _ in _loops(body))
+
+
+def _loops(body):
+    for stmt in body:
+        for node in _walk_no_defs(stmt):
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+                yield node

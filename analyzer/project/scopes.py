@@ -1,0 +1,153 @@
+"""What one function (or a module's top level) binds, read once from its ``ast``.
+
+The value analysis asks "what can ``model`` hold here?"; the answer starts from every place the
+scope binds the name: assignments (with their tuple-unpacking path), ``for`` and ``with ... as``
+targets, parameters, ``self.x = ...`` attribute stores. Nested functions and classes are scopes of
+their own and are not entered.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
+_SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
+
+
+class ScopeInfo:
+    __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
+                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls")
+
+    def __init__(self) -> None:
+        self.assigns: dict = {}          # name -> [(value expr, unpack path)]
+        self.for_names: set = set()
+        self.with_as: dict = {}          # name -> [context expr]
+        self.self_attrs: dict = {}       # attr -> [(value expr, unpack path)]   (self.attr = value)
+        self.obj_attrs: list = []        # (receiver expr, attr, value expr, unpack path)
+        self.calls: list = []            # every call node, in source order
+        self.returns: list = []          # return value expressions
+        self.has_yield = False
+        self.declared_global: set = set()
+        self.locals: set = set()
+        self.inplace_wraps: list = []    # (name, call) for ``fully_shard(model)`` as a statement
+
+
+def scope_info(body: list, params: list, self_name: Optional[str]) -> ScopeInfo:
+    info = ScopeInfo()
+    info.locals.update(params)
+    _statements(body, info, self_name)
+    info.locals -= info.declared_global
+    return info
+
+
+def _statements(body, info: ScopeInfo, self_name) -> None:
+    for stmt in body:
+        if isinstance(stmt, FUNCTION_TYPES) or isinstance(stmt, ast.ClassDef):
+            info.locals.add(stmt.name)
+            for deco in stmt.decorator_list:
+                _expr(deco, info)
+            continue
+        if isinstance(stmt, ast.Assign):
+            _expr(stmt.value, info)
+            for target in stmt.targets:
+                _bind(target, stmt.value, (), info, self_name)
+        elif isinstance(stmt, ast.AnnAssign):
+            if stmt.value is not None:
+                _expr(stmt.value, info)
+                _bind(stmt.target, stmt.value, (), info, self_name)
+            elif isinstance(stmt.target, ast.Name):
+                info.locals.add(stmt.target.id)
+        elif isinstance(stmt, ast.AugAssign):
+            _expr(stmt.value, info)
+            if isinstance(stmt.target, ast.Name):
+                info.locals.add(stmt.target.id)
+        elif isinstance(stmt, (ast.For, ast.AsyncFor)):
+            _expr(stmt.iter, info)
+            for name in _names(stmt.target):
+                info.for_names.add(name)
+                info.locals.add(name)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            for item in stmt.items:
+                _expr(item.context_expr, info)
+                if item.optional_vars is not None:
+                    for name in _names(item.optional_vars):
+                        info.with_as.setdefault(name, []).append(item.context_expr)
+                        info.locals.add(name)
+        elif isinstance(stmt, ast.Return):
+            if stmt.value is not None:
+                _expr(stmt.value, info)
+                info.returns.append(stmt.value)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            for alias in stmt.names:
+                if alias.name != "*":
+                    info.locals.add(alias.asname or alias.name.split(".")[0])
+        elif isinstance(stmt, ast.Global):
+            info.declared_global.update(stmt.names)
+        elif isinstance(stmt, ast.Expr):
+            _expr(stmt.value, info)
+            call = stmt.value
+            if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name):
+                func = call.func
+                name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+                if name == "fully_shard":
+                    info.inplace_wraps.append((call.args[0].id, call))
+        else:
+            for field in ("test", "value", "exc", "subject", "msg"):
+                node = getattr(stmt, field, None)
+                if isinstance(node, ast.expr):
+                    _expr(node, info)
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(stmt, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                _statements(block, info, self_name)
+        for handler in getattr(stmt, "handlers", ()):
+            if handler.name:
+                info.locals.add(handler.name)
+            _statements(handler.body, info, self_name)
+        if isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                _statements(case.body, info, self_name)
+
+
+def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
+    if isinstance(target, ast.Name):
+        info.assigns.setdefault(target.id, []).append((value, path))
+        info.locals.add(target.id)
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for i, el in enumerate(target.elts):
+            if isinstance(el, ast.Starred):
+                for name in _names(el.value):
+                    info.locals.add(name)
+                continue
+            _bind(el, value, path + (i,), info, self_name)
+    elif isinstance(target, ast.Attribute):
+        if self_name and isinstance(target.value, ast.Name) and target.value.id == self_name:
+            info.self_attrs.setdefault(target.attr, []).append((value, path))
+        else:
+            info.obj_attrs.append((target.value, target.attr, value, path))
+    elif isinstance(target, ast.Starred):
+        _bind(target.value, value, path, info, self_name)
+
+
+def _names(target) -> list:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for el in target.elts for n in _names(el)]
+    if isinstance(target, ast.Starred):
+        return _names(target.value)
+    return []
+
+
+def _expr(node, info: ScopeInfo) -> None:
+    """Calls (for the call-site index), yields and walrus bindings of an expression; lambdas and
+    comprehensions' own scopes are still walked for calls (a call is a call wherever it sits)."""
+    for sub in ast.walk(node):
+        t = type(sub)
+        if t is ast.Call:
+            info.calls.append(sub)
+        elif t is ast.NamedExpr and isinstance(sub.target, ast.Name):
+            info.assigns.setdefault(sub.target.id, []).append((sub.value, ()))
+            info.locals.add(sub.target.id)
+        elif t in (ast.Yield, ast.YieldFrom):
+            info.has_yield = True

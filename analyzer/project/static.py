@@ -1,0 +1,438 @@
+"""Facts that need the project's values but not the sync dataflow.
+
+* sync controls called on the module inside a wrapper, not the wrapper (SC104);
+* ``accelerator.accumulate`` on an Accelerator never told how many steps to accumulate (SC105);
+* collectives that only some ranks reach (SC301): a rank test's branches must run the same
+  collectives -- or the function must balance them, as the download-first idiom does
+  (``if rank not in (-1, 0): barrier()`` ... ``if rank == 0: barrier()``);
+* ``DistributedSampler`` objects whose ``set_epoch`` is never called (SC302).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from typing import NamedTuple, Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.index import Function
+from synccheck.analyzer.project.values import (Const, Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper)
+
+RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
+                       r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
+                       r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
+                       r"is_main|rank_zero|is_master_process|is_chief|ddp_rank)(?![A-Za-z0-9])", re.I)
+MAIN_WORDS = ("main", "master", "zero", "chief")
+
+
+class Unwrapped(NamedTuple):
+    module: object
+    node: object
+    how: str
+    wrapper_text: str
+    kind: str        # "module" (wrapper.module) | "original"
+
+
+def no_sync_on_unwrapped(program) -> list:
+    values = program.values
+    out = []
+    wrapping = program.wrapping()
+    for scope, call in values.callsites().get("no_sync", []) + values.callsites().get("no_backward_sync", []):
+        module = values.module_of(scope)
+        if not module.linted or not isinstance(call.func, ast.Attribute):
+            continue
+        receiver = values.expr(call.func.value, scope)
+        if call.args:
+            if not any(isinstance(v, Framework) for v in receiver):
+                continue
+            target_node = call.args[0]
+        else:
+            target_node = call.func.value
+        target = values.expr(target_node, scope)
+        if program.wrappers(target) or any(isinstance(v, (Unknown,)) for v in target):
+            continue
+        how = _text(module, call)
+        inner = [v for v in target if isinstance(v, Inner)]
+        if inner:
+            out.append(Unwrapped(module, call, how, _binding(program, inner[0].wrapper), "module"))
+            continue
+        wrapped = [w for v in target if isinstance(v, Obj) for w in wrapping.get(v, ())]
+        if wrapped:
+            out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
+    return out
+
+
+def _binding(program, wrapper: Wrapper) -> str:
+    """The name a wrapper was bound to where it was made (``ddp_model``), for messages."""
+    path, line, col = wrapper.site[:3]
+    module = program.project.by_path.get(path) or next((m for m in program.project.modules() if m.path == path), None)
+    if module is None:
+        return "the wrapper"
+    for node in ast.walk(module.tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(node, "value", None) is not None:
+            for sub in ast.walk(node.value):
+                if isinstance(sub, ast.Call) and sub.lineno == line and sub.col_offset == col:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    target = targets[0]
+                    if isinstance(target, (ast.Tuple, ast.List)) and len(wrapper.site) > 3 and \
+                            isinstance(wrapper.site[3], int) and wrapper.site[3] < len(target.elts):
+                        target = target.elts[wrapper.site[3]]
+                    return ast.unparse(target)
+    return "the wrapper"
+
+
+class UnconfiguredAccumulate(NamedTuple):
+    module: object
+    node: object
+    accelerator_text: str
+
+
+def accumulate_without_steps(program) -> list:
+    values = program.values
+    out = []
+    configured = _configured_frameworks(program)
+    for scope, call in values.callsites().get("accumulate", []):
+        module = values.module_of(scope)
+        if not module.linted or not isinstance(call.func, ast.Attribute):
+            continue
+        receiver = values.expr(call.func.value, scope)
+        frameworks = [v for v in receiver if isinstance(v, Framework) and v.kind == "accelerate"]
+        if not frameworks or any(v.accumulates != "no" or v in configured for v in frameworks):
+            continue
+        if any(not isinstance(v, Framework) for v in receiver):
+            continue
+        out.append(UnconfiguredAccumulate(module, call, _text(module, call.func.value)))
+    return out
+
+
+def _configured_frameworks(program) -> set:
+    """Accelerators given their steps after construction: ``accelerator.gradient_accumulation_steps = n``."""
+    out = set()
+    values = program.values
+    for module in program.project.modules():
+        for scope in [module] + list(module.functions.values()):
+            info = values.info(scope)
+            for receiver, attr, _, _ in info.obj_attrs:
+                if attr in ("gradient_accumulation_steps", "gradient_accumulation_plugin"):
+                    out |= {v for v in values.expr(receiver, scope) if isinstance(v, Framework)}
+            for attr in ("gradient_accumulation_steps",):
+                if attr in info.self_attrs and "accelerat" in module.text:
+                    pass
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# SC302
+
+class UnseededSampler(NamedTuple):
+    module: object
+    node: object
+    name: str
+
+
+def samplers_without_set_epoch(program) -> list:
+    values = program.values
+    callsites = values.callsites()
+    names = {"DistributedSampler"}
+    for module in program.project.modules():
+        for local, (mod, attr, _) in module.imports.items():
+            if attr == "DistributedSampler":
+                names.add(local)
+    made = []
+    for name in names:
+        for scope, call in callsites.get(name, []):
+            module = values.module_of(scope)
+            for v in values.expr(call, scope):
+                if isinstance(v, Sampler) and not v.shuffle_off:
+                    made.append((module, call, v, scope))
+    if not made:
+        return []
+    seeded, unknown = set(), False
+    for scope, call in callsites.get("set_epoch", []):
+        if not isinstance(call.func, ast.Attribute):
+            continue
+        receiver = values.expr(call.func.value, scope)
+        for v in receiver:
+            if isinstance(v, Sampler):
+                seeded.add(v)
+            elif isinstance(v, (Unknown, Obj, Ext)):
+                unknown = True
+    if unknown:
+        return []
+    prepared = _prepared_loaders(program)
+    out = []
+    for module, call, sampler, scope in made:
+        if not module.linted or sampler in seeded or sampler in prepared:
+            continue
+        if not _has_epoch_loop(program):
+            continue
+        out.append(UnseededSampler(module, call, _assigned_name(module, call)))
+    return out
+
+
+def _prepared_loaders(program) -> set:
+    """Samplers whose loader goes through ``accelerator.prepare`` (which seeds its own sampler)."""
+    values = program.values
+    out = set()
+    for scope, call in values.callsites().get("prepare", []):
+        if not isinstance(call.func, ast.Attribute):
+            continue
+        if not any(isinstance(v, Framework) for v in values.expr(call.func.value, scope)):
+            continue
+        for arg in call.args:
+            for v in values.expr(arg, scope):
+                if isinstance(v, Loader):
+                    out |= {s for s in values.loader_samplers(v) if isinstance(s, Sampler)}
+    return out
+
+
+def _has_epoch_loop(program) -> bool:
+    for module in program.project.modules():
+        for node in ast.walk(module.tree):
+            if isinstance(node, (ast.For, ast.While)):
+                target = ast.unparse(node.target) if isinstance(node, ast.For) else ""
+                if "epoch" in target.lower():
+                    return True
+                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in ast.walk(b)):
+                    return True
+    return False
+
+
+def _assigned_name(module, call) -> str:
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Assign) and node.value is call:
+            return ast.unparse(node.targets[0])
+    return "the sampler"
+
+
+# ---------------------------------------------------------------------------------------------------
+# SC301
+
+class RankCollective(NamedTuple):
+    module: object
+    node: object            # the collective, or the call that runs one
+    what: str
+    test_text: str
+    through: bool
+
+
+def collectives_in_rank_branches(program) -> list:
+    out = []
+    checker = _RankChecker(program)
+    for module in program.project.linted():
+        if not RANK_NAME.search(module.text):
+            continue
+        scopes = [module] + list(module.functions.values())
+        for scope in scopes:
+            body = scope.node.body if isinstance(scope, Function) else \
+                [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+            found: list = []
+            checker.walk(body, None, None, scope, found)
+            out.extend(_unbalanced(module, found))
+    return out
+
+
+def _unbalanced(module, found: list) -> list:
+    """Collectives that one side of the rank tests runs more often than the other (the download-first
+    idiom runs one barrier on each side, which balances)."""
+    out = []
+    kinds = {what for _, what, _, _, _ in found}
+    for kind in kinds:
+        main = [f for f in found if f[1] == kind and f[2] == "main"]
+        other = [f for f in found if f[1] == kind and f[2] == "other"]
+        if len(main) == len(other):
+            continue
+        extra = main if len(main) > len(other) else other
+        for node, what, side, test, through in extra:
+            out.append(RankCollective(module, node, what, test, through))
+    return out
+
+
+class _RankChecker:
+    def __init__(self, program) -> None:
+        self.program = program
+        self.values = program.values
+        self._runs: dict = {}
+
+    def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
+        for i, stmt in enumerate(stmts):
+            if isinstance(stmt, ast.If):
+                pol = self.polarity(stmt.test, scope)
+                if pol is not None and side is None:
+                    text = ast.unparse(stmt.test)
+                    self.walk(stmt.body, pol, text, scope, found)
+                    self.walk(stmt.orelse, _flip(pol), text, scope, found)
+                    body_exits, else_exits = _exits(stmt.body), _exits(stmt.orelse)
+                    if body_exits and not else_exits:
+                        # ``if not is_main: return``: the rest of the block runs on the other side only
+                        self.walk(stmts[i + 1:], _flip(pol), text, scope, found)
+                        return
+                    if else_exits and not body_exits:
+                        self.walk(stmts[i + 1:], pol, text, scope, found)
+                        return
+                    continue
+                self._calls(stmt.test, side, test, scope, found)
+                self.walk(stmt.body, side, test, scope, found)
+                self.walk(stmt.orelse, side, test, scope, found)
+                continue
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            for field in ("test", "iter", "value", "exc", "subject"):
+                node = getattr(stmt, field, None)
+                if isinstance(node, ast.expr):
+                    self._calls(node, side, test, scope, found)
+            if isinstance(stmt, (ast.With, ast.AsyncWith)):
+                for item in stmt.items:
+                    self._calls(item.context_expr, side, test, scope, found)
+            if isinstance(stmt, ast.Expr) or isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return)):
+                pass
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(stmt, field, None)
+                if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                    self.walk(block, side, test, scope, found)
+            for handler in getattr(stmt, "handlers", ()):
+                self.walk(handler.body, side, test, scope, found)
+
+    def _calls(self, expr, side, test, scope, found: list) -> None:
+        for node in ast.walk(expr):
+            if not isinstance(node, ast.Call):
+                continue
+            what = self.collective(node, scope)
+            if what:
+                found.append((node, what, side, test, False))
+                continue
+            if side is None:
+                continue
+            for fn in self.program.call_targets(node, scope):
+                runs = self.runs(fn)
+                if runs:
+                    found.append((node, sorted(runs)[0], side, test, True))
+                    break
+
+    def collective(self, call: ast.Call, scope) -> Optional[str]:
+        func = call.func
+        if not isinstance(func, ast.Attribute):
+            vals = self.values.expr(func, scope)
+            for v in vals:
+                if isinstance(v, Ext) and v.qualname.startswith("torch.distributed.") and \
+                        vocab.tail(v.qualname) in vocab.COLLECTIVES:
+                    return _kind(vocab.tail(v.qualname))
+            return None
+        attr = func.attr
+        if attr not in vocab.COLLECTIVES and attr not in vocab.FRAMEWORK_COLLECTIVES:
+            return None
+        receiver = self.values.expr(func.value, scope)
+        for v in receiver:
+            if isinstance(v, Ext) and (v.qualname in ("torch.distributed", "torch.distributed.distributed_c10d")
+                                       or v.qualname.endswith(".distributed")) and attr in vocab.COLLECTIVES:
+                return _kind(attr)
+            if isinstance(v, Framework) and attr in vocab.FRAMEWORK_COLLECTIVES:
+                return _kind(attr)
+        text = ast.unparse(func.value)
+        if text in ("dist", "torch.distributed", "distributed") and attr in vocab.COLLECTIVES:
+            return _kind(attr)
+        if text.endswith(("accelerator", "fabric")) and attr in vocab.FRAMEWORK_COLLECTIVES:
+            return _kind(attr)
+        return None
+
+    def runs(self, fn: Function) -> set:
+        """The collectives a project function runs on every rank that calls it (transitively)."""
+        found = self._runs.get(fn.uid)
+        if found is not None:
+            return found
+        self._runs[fn.uid] = set()
+        out = set()
+        for node in ast.walk(fn.node):
+            if isinstance(node, ast.Call):
+                what = self.collective(node, fn)
+                if what:
+                    out.add(what)
+                else:
+                    for callee in self.program.call_targets(node, fn):
+                        if callee is not fn:
+                            out |= self.runs(callee)
+        self._runs[fn.uid] = out
+        return out
+
+    def polarity(self, test, scope) -> Optional[str]:
+        """"main" when the test holds on the main rank only, "other" when on every rank but it."""
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            pol = self.polarity(test.operand, scope)
+            return _flip(pol) if pol else None
+        if isinstance(test, ast.BoolOp):
+            if isinstance(test.op, ast.And):
+                pols = [self.polarity(v, scope) for v in test.values]
+                found = [p for p in pols if p]
+                return found[0] if found and len(set(found)) == 1 else None
+            return None
+        if isinstance(test, ast.Compare) and len(test.ops) == 1:
+            left, right, op = test.left, test.comparators[0], test.ops[0]
+            if _is_const(left) and not _is_const(right):
+                left, right = right, left
+                op = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}.get(type(op), op)
+            if not RANK_NAME.search(ast.unparse(left)):
+                return None
+            if isinstance(left, ast.BinOp) and not isinstance(left.op, ast.Mod):
+                return None
+            zeroish = _zeroish(right)
+            if zeroish is None:
+                return None
+            if isinstance(op, (ast.Eq, ast.In, ast.Is)) or (isinstance(op, ast.LtE) and zeroish):
+                return "main"
+            if isinstance(op, (ast.NotEq, ast.NotIn, ast.IsNot)) or (isinstance(op, ast.Gt) and zeroish):
+                return "other"
+            return None
+        if isinstance(test, (ast.Name, ast.Attribute, ast.Call)):
+            node = test.func if isinstance(test, ast.Call) else test
+            text = ast.unparse(node)
+            last = text.rsplit(".", 1)[-1].lower()
+            if RANK_NAME.search(last) and any(w in last for w in MAIN_WORDS):
+                return "main"
+            if isinstance(test, ast.Name) and isinstance(scope, Function):
+                for value, path in self.values.info(scope).assigns.get(test.id, ()):
+                    if not path:
+                        return self.polarity(value, scope)
+            if isinstance(test, ast.Name):
+                module = self.values.module_of(scope)
+                for value in module.globals.get(test.id, ()):
+                    return self.polarity(value, module)
+        return None
+
+
+def _kind(name: str) -> str:
+    if name in ("barrier", "monitored_barrier", "wait_for_everyone"):
+        return "barrier"
+    return name
+
+
+def _flip(pol: Optional[str]) -> Optional[str]:
+    return {"main": "other", "other": "main"}.get(pol)
+
+
+def _is_const(node) -> bool:
+    return isinstance(node, ast.Constant) or (isinstance(node, (ast.List, ast.Tuple, ast.Set)) and all(
+        isinstance(e, (ast.Constant, ast.UnaryOp)) for e in node.elts)) or (
+        isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant))
+
+
+def _zeroish(node) -> Optional[bool]:
+    """True for 0, [0], [-1, 0] (the main rank, or no distribution); None for anything else."""
+    if isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool):
+        return True
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        vals = []
+        for e in node.elts:
+            try:
+                vals.append(ast.literal_eval(e))
+            except ValueError:
+                return None
+        if 0 in vals and all(v in (0, -1) for v in vals):
+            return True
+    return None
+
+
+def _exits(stmts) -> bool:
+    return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+
+def _text(module, node) -> str:
+    return (ast.get_source_segment(module.text, node) or ast.unparse(node)).strip()

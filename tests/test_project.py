@@ -1,0 +1,629 @@
+"""Whole-program analysis: the training loop spread over functions, classes and files, as real code
+spreads it. Each case is a small project written to a folder and linted as a user would lint it."""
+import pytest
+
+from projectlib import check_project
+
+# main.py wraps the model, engine.py accumulates (MAE, DeiT, ConvNeXt, BEiT are built like this)
+MAE = {
+    "main_pretrain.py": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+        from engine_pretrain import train_one_epoch
+        import util.misc as misc
+        from util.misc import NativeScalerWithGradNormCount as NativeScaler
+
+        def main(args):
+            model = build_model(args)
+            model.to("cuda")
+            model_without_ddp = model
+            if args.distributed:
+                model = DistributedDataParallel(model, device_ids=[args.gpu])
+                model_without_ddp = model.module
+            optimizer = torch.optim.AdamW(model_without_ddp.parameters(), lr=args.lr)
+            loss_scaler = NativeScaler()
+            for epoch in range(args.epochs):
+                train_one_epoch(model, data_loader_train, optimizer, "cuda", epoch, loss_scaler, args=args)
+    """,
+    "engine_pretrain.py": """
+        import math
+        import sys
+
+        def train_one_epoch(model, data_loader, optimizer, device, epoch, loss_scaler, args=None):
+            model.train(True)
+            accum_iter = args.accum_iter
+            optimizer.zero_grad()
+            for data_iter_step, (samples, _) in enumerate(data_loader):
+                samples = samples.to(device, non_blocking=True)
+                loss, _, _ = model(samples, mask_ratio=args.mask_ratio)
+                loss_value = loss.item()
+                if not math.isfinite(loss_value):
+                    sys.exit(1)
+                loss /= accum_iter
+                loss_scaler(loss, optimizer, parameters=model.parameters(),  # SC101
+                            update_grad=(data_iter_step + 1) % accum_iter == 0)
+                if (data_iter_step + 1) % accum_iter == 0:
+                    optimizer.zero_grad()
+    """,
+    "util/__init__.py": "",
+    "util/misc.py": """
+        import torch
+
+        class NativeScalerWithGradNormCount:
+            def __init__(self):
+                self._scaler = torch.cuda.amp.GradScaler()
+
+            def __call__(self, loss, optimizer, clip_grad=None, parameters=None, create_graph=False,
+                         update_grad=True):
+                self._scaler.scale(loss).backward(create_graph=create_graph)
+                if update_grad:
+                    self._scaler.unscale_(optimizer)
+                    self._scaler.step(optimizer)
+                    self._scaler.update()
+    """,
+}
+
+
+def test_mae_loop_in_another_file_through_a_loss_scaler(tmp_path):
+    # the finding is in engine_pretrain.py, where the accumulation is; the DDP model comes from main
+    check_project(tmp_path, MAE)
+
+
+def test_single_file_lint_reads_the_files_that_import_it(tmp_path):
+    # a pre-commit hook passes only the changed file: main_pretrain.py beside it is read as context
+    check_project(tmp_path, MAE, paths=["engine_pretrain.py"])
+
+
+def test_mae_with_no_sync_is_clean(tmp_path):
+    files = dict(MAE)
+    files["engine_pretrain.py"] = MAE["engine_pretrain.py"].replace("""                loss_scaler(loss, optimizer, parameters=model.parameters(),  # SC101
+                            update_grad=(data_iter_step + 1) % accum_iter == 0)""", """                if (data_iter_step + 1) % accum_iter != 0:
+                    with model.no_sync():
+                        loss_scaler(loss, optimizer, parameters=model.parameters(), update_grad=False)
+                else:
+                    loss_scaler(loss, optimizer, parameters=model.parameters(), update_grad=True)""")
+    # the forward ran outside no_sync: wrapping only the scaler's backward does nothing
+    files["engine_pretrain.py"] = files["engine_pretrain.py"].replace(
+        "                    with model.no_sync():", "                    with model.no_sync():  # SC102")
+    check_project(tmp_path, files)
+
+
+TRAINER_BASE = {
+    "trainer/__init__.py": "from .base import BaseTrainer\n",
+    "trainer/base.py": """
+        import torch
+
+        class BaseTrainer:
+            def __init__(self, model, optimizer, accum_steps):
+                self.model = model
+                self.optimizer = optimizer
+                self.accum_steps = accum_steps
+
+            def _forward(self, batch):
+                return self.model(**batch).loss / self.accum_steps
+
+            def _backward(self, loss):
+                loss.backward()  # SC101
+
+            def fit(self, loader):
+                for step, batch in enumerate(loader):
+                    loss = self._forward(batch)
+                    self._backward(loss)
+                    if (step + 1) % self.accum_steps == 0:
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+    """,
+    "train.py": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from trainer import BaseTrainer
+
+        class LMTrainer(BaseTrainer):
+            pass
+
+        def main():
+            model = DDP(build().cuda())
+            optimizer = torch.optim.AdamW(model.parameters())
+            LMTrainer(model, optimizer, accum_steps=8).fit(loader)
+
+        if __name__ == "__main__":
+            main()
+    """,
+}
+
+
+def test_trainer_base_class_in_another_package(tmp_path):
+    check_project(tmp_path, TRAINER_BASE)
+
+
+def test_helper_that_wraps_in_another_module(tmp_path):
+    check_project(tmp_path, {
+        "utils/torch_utils.py": """
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def smart_DDP(model):
+                return DDP(model, device_ids=[0], output_device=0, static_graph=False)
+        """,
+        "utils/__init__.py": "",
+        "train.py": """
+            from utils.torch_utils import smart_DDP
+
+            def compute_loss(pred, targets):
+                bs = pred.shape[0]
+                return (pred - targets).abs().mean() * bs     # YOLOv5 sums over the nominal batch
+
+            def train(model, loader, optimizer, scaler, accumulate, cuda, RANK):
+                if cuda and RANK != -1:
+                    model = smart_DDP(model)
+                last_opt_step = -1
+                for i, (imgs, targets) in enumerate(loader):
+                    ni = i
+                    loss = compute_loss(model(imgs), targets)
+                    scaler.scale(loss).backward()  # SC101
+                    if ni - last_opt_step >= accumulate:
+                        scaler.step(optimizer)
+                        scaler.update()
+                        optimizer.zero_grad()
+                        last_opt_step = ni
+        """,
+    })
+
+
+@pytest.mark.parametrize("wrap", [
+    ["model = torch.compile(DDP(net))"],
+    ["model = DDP(torch.compile(net))"],
+    ["model = DDP(net) if distributed else net"],
+    ["model = net", "if distributed:", "    model = DDP(model)"],
+])
+def test_wrapper_spellings_reach_a_loop_in_another_function(tmp_path, wrap):
+    lines = "\n".join("    " + line for line in wrap)
+    check_project(tmp_path, {"train.py": """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def train_epoch(model, loader, optimizer, accum):
+    for i, batch in enumerate(loader):
+        loss = model(batch).mean() / accum
+        loss.backward()  # SC101
+        if (i + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+
+def main(net, loader, distributed):
+WRAP
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(10):
+        train_epoch(model, loader, optimizer, 4)
+""".replace("WRAP", lines)})
+
+
+def test_annotation_says_ddp(tmp_path):
+    check_project(tmp_path, {"engine.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train_epoch(model: DDP, loader, optimizer, accum: int):
+            for i, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                loss.backward()  # SC101
+                if (i + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_relative_import_of_the_loop(tmp_path):
+    check_project(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/engine.py": """
+            def run(model, loader, opt, n):
+                for i, b in enumerate(loader):
+                    (model(b).sum() / n).backward()  # SC101
+                    if (i + 1) % n == 0:
+                        opt.step()
+                        opt.zero_grad()
+        """,
+        "pkg/main.py": """
+            import torch.nn.parallel as par
+            from .engine import run
+
+            def main(net, loader, opt):
+                run(par.DistributedDataParallel(net), loader, opt, 4)
+        """,
+    })
+
+
+def test_trainer_methods_with_a_sync_helper_around_backward_only(tmp_path):
+    # the helper flips require_backward_grad_sync around backward() only: DDP already decided
+    check_project(tmp_path, {"trainer.py": """
+        import contextlib
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        class Trainer:
+            def __init__(self, model, optimizer, accum):
+                self.model = DDP(model)
+                self.optimizer = optimizer
+                self.accum = accum
+
+            @contextlib.contextmanager
+            def maybe_sync(self, sync):
+                self.model.require_backward_grad_sync = sync  # SC102
+                yield
+                self.model.require_backward_grad_sync = True
+
+            def _forward_backward(self, batch, sync):
+                loss = self.model(batch).mean() / self.accum
+                self._backward_loss(loss, sync)
+
+            def _backward_loss(self, loss, sync):
+                with self.maybe_sync(sync):
+                    loss.backward()
+
+            def train(self, loader):
+                for i, batch in enumerate(loader):
+                    sync = (i + 1) % self.accum == 0
+                    self._forward_backward(batch, sync)
+                    if sync:
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+    """})
+
+
+def test_accelerator_backward_in_a_method(tmp_path):
+    check_project(tmp_path, {"trainer.py": """
+        from accelerate import Accelerator
+
+        class Trainer:
+            def __init__(self, model, optimizer, loader):
+                self.accelerator = Accelerator()
+                self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+
+            def backward_step(self, loss):
+                self.accelerator.backward(loss)  # SC101
+
+            def train(self, accum):
+                for step, batch in enumerate(self.loader):
+                    loss = self.model(**batch).loss / accum
+                    self.backward_step(loss)
+                    if (step + 1) % accum == 0:
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+    """})
+
+
+@pytest.mark.parametrize("enter", [
+    ["if not sync:", "    stack.enter_context(model.no_sync())"],
+    ["stack.enter_context(model.no_sync() if not sync else contextlib.nullcontext())"],
+])
+def test_exitstack_sync_control_is_understood(tmp_path, enter):
+    lines = "\n".join(" " * 12 + line for line in enter)
+    check_project(tmp_path, {"train.py": """
+import contextlib
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def train(model, loader, optimizer, accum):
+    model = DDP(model)
+    for i, batch in enumerate(loader):
+        sync = (i + 1) % accum == 0
+        with contextlib.ExitStack() as stack:
+ENTER
+            loss = model(batch).mean() / accum
+            loss.backward()
+        if sync:
+            optimizer.step()
+            optimizer.zero_grad()
+""".replace("ENTER", lines)})
+
+
+def test_exitstack_entered_on_every_micro_step_is_unsynced(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        import contextlib
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(model, loader, optimizer, accum):
+            model = DDP(model)
+            for i, batch in enumerate(loader):
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(model.no_sync())  # SC103
+                    loss = model(batch).mean() / accum
+                    loss.backward()
+                if (i + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_functools_partial_of_no_sync_helper(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        import functools
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def sync_context(model, last):
+            return model.no_sync() if last else nullcontext()
+
+        def train(model, loader, optimizer, accum):
+            model = DDP(model)
+            ctx_for = functools.partial(sync_context, model)
+            for i, batch in enumerate(loader):
+                last = (i + 1) % accum == 0
+                with ctx_for(last):  # SC103
+                    loss = model(batch).mean() / accum
+                    loss.backward()
+                if last:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_project_data_parallel_subclass(tmp_path):
+    check_project(tmp_path, {
+        "parallel.py": """
+            from torch.nn.parallel import DistributedDataParallel
+
+            class DataParallelModel(DistributedDataParallel):
+                def gather(self, outputs, output_device):
+                    return outputs
+        """,
+        "train.py": """
+            from parallel import DataParallelModel
+
+            def train(net, loader, optimizer, accum):
+                model = DataParallelModel(net)
+                for i, batch in enumerate(loader):
+                    loss = model(batch).mean() / accum
+                    loss.backward()  # SC101
+                    if (i + 1) % accum == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+        """,
+    })
+
+
+# -- precision traps ---------------------------------------------------------------------------------
+
+def test_download_first_barrier_idiom_is_not_a_hang(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        import torch
+        import torch.distributed as dist
+        from contextlib import contextmanager
+
+        @contextmanager
+        def torch_distributed_zero_first(local_rank):
+            if local_rank not in [-1, 0]:
+                dist.barrier(device_ids=[local_rank])
+            yield
+            if local_rank == 0:
+                dist.barrier(device_ids=[0])
+
+        def main(args):
+            if args.local_rank not in [-1, 0]:
+                torch.distributed.barrier()
+            dataset = load_and_cache(args)
+            if args.local_rank == 0:
+                torch.distributed.barrier()
+            with torch_distributed_zero_first(args.local_rank):
+                data = check_dataset(args.data)
+    """})
+
+
+def test_barrier_outside_the_rank_branch_is_fine_but_inside_hangs(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        import torch.distributed as dist
+        from accelerate import Accelerator
+
+        def save(model, rank, accelerator):
+            if rank == 0:
+                torch.save(model.state_dict(), "ckpt.pt")
+            dist.barrier()
+            if accelerator.is_main_process:
+                accelerator.save_state("out")
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                accelerator.wait_for_everyone()  # SC301
+    """})
+
+
+def test_collective_through_a_helper_in_another_file(tmp_path):
+    check_project(tmp_path, {
+        "dist_utils.py": """
+            import torch.distributed as dist
+
+            def reduce_metrics(t):
+                dist.all_reduce(t)
+                return t
+        """,
+        "train.py": """
+            from dist_utils import reduce_metrics
+
+            def log(metrics, rank):
+                if rank == 0:
+                    reduce_metrics(metrics)  # SC301
+        """,
+    })
+
+
+def test_loss_divided_in_a_helper_or_by_accelerate_is_not_sc202(tmp_path):
+    check_project(tmp_path, {
+        "losses.py": """
+            def compute_loss(outputs, batch, accum):
+                loss = outputs.loss
+                return loss / accum
+        """,
+        "train.py": """
+            from accelerate import Accelerator
+            from losses import compute_loss
+
+            def plain(model, loader, optimizer, accum):
+                for i, batch in enumerate(loader):
+                    loss = compute_loss(model(**batch), batch, accum)
+                    loss.backward()
+                    if (i + 1) % accum == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+
+            def grads_scaled(model, loader, optimizer, accum):
+                for i, batch in enumerate(loader):
+                    model(**batch).loss.backward()
+                    if (i + 1) % accum == 0:
+                        for p in model.parameters():
+                            p.grad /= accum
+                        optimizer.step()
+                        optimizer.zero_grad()
+
+            def accelerated(model, loader, optimizer):
+                accelerator = Accelerator(gradient_accumulation_steps=4)
+                model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+                for batch in loader:
+                    with accelerator.accumulate(model):
+                        accelerator.backward(model(**batch).loss)
+                        optimizer.step()
+                        optimizer.zero_grad()
+        """,
+    })
+
+
+def test_no_sync_miss_is_sc102_not_also_sc101(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(model, loader, optimizer, accum):
+            model = DDP(model)
+            for i, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                if (i + 1) % accum != 0:
+                    with model.no_sync():  # SC102
+                        loss.backward()
+                else:
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_single_device_fabric_has_nothing_to_sync(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        import lightning as L
+
+        def train(model, optimizer, loader, accum):
+            fabric = L.Fabric(accelerator="cuda", devices=1)
+            model, optimizer = fabric.setup(model, optimizer)
+            for i, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                fabric.backward(loss)
+                if (i + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_multi_device_fabric_without_no_backward_sync(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        import lightning as L
+
+        def train(model, optimizer, loader, accum):
+            fabric = L.Fabric(accelerator="cuda", devices=4, strategy="ddp")
+            model, optimizer = fabric.setup(model, optimizer)
+            for i, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                fabric.backward(loss)  # SC101
+                if (i + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_branch_heavy_loop_keeps_its_finding(tmp_path):
+    branches = "\n".join(f"        if cfg.aux_{k}:\n            loss = loss + aux_{k}(out) * 0.1" for k in range(64))
+    check_project(tmp_path, {"train.py": """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def train(model, loader, optimizer, accum, cfg):
+    model = DDP(model)
+    for i, batch in enumerate(loader):
+        out = model(batch)
+        loss = out.mean()
+BRANCHES
+        loss = loss / accum
+        loss.backward()  # SC101
+        if (i + 1) % accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""".replace("BRANCHES", branches)})
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+def test_import_cycle_missing_module_and_recursion(tmp_path):
+    check_project(tmp_path, {
+        "a.py": """
+            import b
+            from missing_module import thing
+            from b import *
+
+            def loop(model, loader, opt, n):
+                for i, x in enumerate(loader):
+                    (model(x).sum() / n).backward()  # SC101
+                    if (i + 1) % n == 0:
+                        opt.step()
+                        opt.zero_grad()
+                    ping(i)
+
+            def ping(i):
+                return pong(i - 1) if i else 0
+
+            def pong(i):
+                return ping(i)
+        """,
+        "b.py": """
+            import a
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def main(net, loader, opt):
+                a.loop(DDP(net), loader, opt, 4)
+                return main(net, loader, opt)
+        """,
+    })
+
+
+def test_two_scripts_with_the_same_module_name(tmp_path):
+    script = """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        from engine import run
+        run(DDP(net), loader, opt)
+    """
+    engine = """
+        def run(model, loader, opt):
+            for i, x in enumerate(loader):
+                (model(x).sum() / 4).backward()  # SC101
+                if (i + 1) % 4 == 0:
+                    opt.step()
+                    opt.zero_grad()
+    """
+    clean_engine = """
+        def run(model, loader, opt):
+            for x in loader:
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    """
+    check_project(tmp_path, {"one/main.py": script, "one/engine.py": engine,
+                             "two/main.py": script, "two/engine.py": clean_engine})
+
+
+def test_huge_function_and_a_name_rebound_many_times(tmp_path):
+    body = "\n".join(f"    x{i} = helper(x{i - 1 if i else 0}) + {i}" for i in range(5000))
+    rebound = "\n".join("        loss = loss * 1.0" for _ in range(1000))
+    check_project(tmp_path, {"train.py": """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def big(model, loader, optimizer):
+BODY
+    model = DDP(model)
+    for i, batch in enumerate(loader):
+        loss = model(batch).mean()
+REBOUND
+        loss.backward()  # SC101
+        if (i + 1) % 4 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+""".replace("BODY", body).replace("REBOUND", rebound)})
