@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("synccheck.profiler.cli", "report_main",
                "merge the per-rank records of `synccheck profile --out DIR` (several nodes) and report"),
     "demo": ("synccheck.demo", "demo_main",
-             "run the bundled examples (seeds 000/001/004) linted, profiled and timed on this machine"),
+             "lint, profile and time five versions of a gradient-accumulation loop on this machine (CPU)"),
 }
 
 USAGE = """usage: synccheck <command> [options]
