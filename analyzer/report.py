@@ -19,12 +19,14 @@ def _where(f) -> str:
 
 
 def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: bool = False,
-           err: TextIO = sys.stderr) -> None:
+           err: TextIO = sys.stderr, quiet: bool = False) -> None:
     """`statistics`: as ruff, the count per code replaces the findings in the text formats; with a
-    machine-readable format the report stays whole on `out` and the counts go to `err`."""
+    machine-readable format the report stays whole on `out` and the counts go to `err`.
+    `quiet` (ruff's --quiet): the findings only, without the closing summary or "All checks passed!"."""
     if statistics and fmt in ("full", "concise"):
         _statistics(result, out)
-        _summary_plain(result, out)
+        if not quiet:
+            _summary_plain(result, out)
         return
     if fmt == "json":
         out.write(json.dumps(to_json(result), indent=2) + "\n")
@@ -43,9 +45,10 @@ def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: b
             out.write(f"{_where(f)}: {f.code} [{f.severity}] {f.message}\n")
         for e in result.errors:
             out.write(f"{e.path}: error: {e.message}\n")
-        _summary_plain(result, out)
+        if not quiet:
+            _summary_plain(result, out)
     else:
-        _full(result, out)
+        _full(result, out, quiet)
     if statistics:
         _statistics(result, err)
 
@@ -66,10 +69,11 @@ def _files(n: int) -> str:
     return f"{n} file{'s' if n != 1 else ''}"
 
 
-def _full(result: LintResult, out: TextIO) -> None:
+def _full(result: LintResult, out: TextIO, quiet: bool = False) -> None:
     if not result.findings and not result.errors:
         # a clean run must stay fast (pre-commit): no rich import for one line
-        out.write(f"All checks passed! ({_files(result.files)} checked)\n")
+        if not quiet:
+            out.write(f"All checks passed! ({_files(result.files)} checked)\n")
         return
     from rich.console import Console
     from rich.text import Text
@@ -104,6 +108,8 @@ def _full(result: LintResult, out: TextIO) -> None:
         console.print()
     for e in result.errors:
         console.print(Text(f"{e.path}: ", style="bold") + Text("error: ", style="bold red") + Text(e.message))
+    if quiet:
+        return
     buf = Text()
     n, errors = len(result.findings), sum(1 for f in result.findings if f.severity == "error")
     if n:
