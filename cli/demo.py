@@ -154,9 +154,11 @@ def profile_command(script: Path, report: Path, args) -> list[str]:
 
 
 def _run(cmd: list[str], cwd: str, timeout: float) -> tuple[int | None, str, str]:
-    """Run ``cmd`` in its own process group; on timeout or Ctrl-C stop the whole group (torchrun's workers too)."""
+    """Run ``cmd`` in its own process group; on timeout or Ctrl-C stop the whole group (torchrun's workers too).
+    Its temp directory is ``cwd``: torchrun leaves a torchelastic_* folder in it per run, which then goes
+    with the demo's own temporary folder instead of piling up in /tmp."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            errors="replace", start_new_session=True)
+                            errors="replace", start_new_session=True, env={**os.environ, "TMPDIR": cwd})
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -325,11 +327,12 @@ def demo_main(argv: list[str]) -> int:
         print(folder)
         return 0
     if args.json_path:
-        parent = Path(args.json_path).resolve().parent
-        if not parent.is_dir() or Path(args.json_path).is_dir():
-            # said now, not after a minute of training
-            print(f"synccheck demo: cannot write {args.json_path}: no such folder or it is a folder",
-                  file=sys.stderr)
+        from synccheck.profiler.launcher import UsageError, check_output_path
+
+        try:
+            check_output_path(args.json_path, "--json")     # said now, not after a minute of training
+        except UsageError as exc:
+            print(f"synccheck demo: {exc}", file=sys.stderr)
             return 2
     if not torch_available():
         print("synccheck demo: needs PyTorch, which is not installed here: pip install 'synccheck[torch]'",
