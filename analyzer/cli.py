@@ -29,7 +29,9 @@ def _check_codes(codes, option: str) -> None:
 def lint_main(argv: List[str]) -> int:
     parser = _Parser(prog="synccheck lint",
                      description="Check training scripts for gradient-synchronization misuse. "
-                                 "The code is parsed, never imported or run.")
+                                 "The code is parsed, never imported or run.",
+                     epilog="exit code: 0 no findings, 1 findings or unreadable files (0 with --exit-zero), "
+                            "2 usage or configuration error. `synccheck rule CODE` explains a finding.")
     parser.add_argument("paths", nargs="*", default=["."], help="files or folders (default: .)")
     parser.add_argument("--format", "--output-format", dest="format", default="full",
                         choices=("full", "concise", "json", "sarif", "github"),
@@ -45,9 +47,10 @@ def lint_main(argv: List[str]) -> int:
     parser.add_argument("--isolated", action="store_true", help="ignore every configuration file")
     parser.add_argument("--statistics", action="store_true", help="print a count per rule code")
     parser.add_argument("--exit-zero", action="store_true", help="exit 0 even when there are findings")
-    parser.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: cores)")
+    parser.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                        help="worker processes (default: the CPUs this process may use)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the results cache")
-    parser.add_argument("--cache-dir", default=None,
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="where the cache lives (default: $SYNCCHECK_CACHE_DIR or .synccheck_cache)")
     parser.add_argument("--output-file", "-o", default=None, metavar="PATH",
                         help="write the report (any --format) to PATH instead of stdout; PATH is replaced only "

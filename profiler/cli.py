@@ -193,7 +193,8 @@ def _console():
 def _report_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="synccheck report", usage="synccheck report [options] DIR",
                 description="Merge the per-rank records in DIR (written by one or more `synccheck profile "
-                            "--out DIR` runs, e.g. one per node) and print the report.")
+                            "--out DIR` runs, e.g. one per node, or the folder a failed, interrupted or hung "
+                            "`synccheck profile` run kept) and print the report.")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--json", metavar="PATH", dest="json_path", help="write the report as JSON")
     p.add_argument("--trace", metavar="PATH", dest="trace_path", help="write a Chrome trace")
