@@ -88,7 +88,9 @@ def lint_main(argv: List[str]) -> int:
         import io
 
         report = io.StringIO()
-        render(result, args.format, report, statistics=args.statistics and not silent, quiet=quiet)
+        # --statistics beside json/sarif writes its counts to stderr, which --silent keeps quiet
+        render(result, args.format, report, statistics=args.statistics, quiet=quiet,
+               err=io.StringIO() if silent else sys.stderr)
         try:
             _write_replacing(args.output_file, report.getvalue())
         except OSError as exc:

@@ -61,6 +61,12 @@ def test_quiet_on_clean_code_prints_nothing(run, project):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
     proc = run("--statistics", "-q", "train.py", cwd=project)
     assert proc.returncode == 1 and proc.stdout.split() == ["1", "SC101", "sync-every-microstep"]
+    proc = run("--statistics", "-s", "-o", "stats.txt", "train.py", cwd=project)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", "")
+    assert (project / "stats.txt").read_text().split() == ["1", "SC101", "sync-every-microstep"]
+    proc = run("--statistics", "-s", "--format", "json", "-o", "stats.json", "train.py", cwd=project)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", "")          # no counts on stderr either
+    assert json.loads((project / "stats.json").read_text())["findings"][0]["code"] == "SC101"
 
 
 @pytest.mark.parametrize("flag", ["--silent", "-s", "-qq"])
