@@ -29,7 +29,9 @@ def _check_codes(codes, option: str) -> None:
 def lint_main(argv: List[str]) -> int:
     parser = _Parser(prog="synccheck lint",
                      description="Check training scripts for gradient-synchronization misuse. "
-                                 "The code is parsed, never imported or run.")
+                                 "The code is parsed, never imported or run.",
+                     epilog="exit code: 0 no findings, 1 findings or unreadable files (0 with --exit-zero), "
+                            "2 usage or configuration error. `synccheck rule CODE` explains a finding.")
     parser.add_argument("paths", nargs="*", default=["."], help="files or folders (default: .)")
     parser.add_argument("--format", "--output-format", dest="format", default="full",
                         choices=("full", "concise", "json", "sarif", "github"),
@@ -45,14 +47,26 @@ def lint_main(argv: List[str]) -> int:
     parser.add_argument("--isolated", action="store_true", help="ignore every configuration file")
     parser.add_argument("--statistics", action="store_true", help="print a count per rule code")
     parser.add_argument("--exit-zero", action="store_true", help="exit 0 even when there are findings")
-    parser.add_argument("--jobs", "-j", type=int, default=None, help="worker processes (default: cores)")
+    parser.add_argument("--jobs", "-j", type=int, default=None, metavar="N",
+                        help="worker processes (default: the CPUs this process may use)")
     parser.add_argument("--no-cache", action="store_true", help="neither read nor write the results cache")
-    parser.add_argument("--cache-dir", default=None,
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="where the cache lives (default: $SYNCCHECK_CACHE_DIR or .synccheck_cache)")
+    parser.add_argument("--output-file", "-o", default=None, metavar="PATH",
+                        help="write the report (any --format) to PATH instead of stdout; PATH is replaced only "
+                             "once the report is complete")
+    parser.add_argument("--quiet", "-q", action="count", default=0,
+                        help="print the findings only: no summary, no \"All checks passed!\", no warnings "
+                             "(-qq: as --silent)")
+    parser.add_argument("--silent", "-s", action="store_true",
+                        help="print nothing; the exit code still says whether there were findings "
+                             "(--output-file still gets the findings)")
     try:
         args = parser.parse_args(argv)
         _check_codes(args.select, "--select")
         _check_codes(args.ignore, "--ignore")
+        if args.output_file is not None:
+            _check_output_file(args.output_file)
         from synccheck.analyzer.config import Config, load_config, resolve_rules
         from synccheck.analyzer.engine import lint
         from synccheck.analyzer.report import render
@@ -65,13 +79,78 @@ def lint_main(argv: List[str]) -> int:
     except UsageError as exc:
         print(f"synccheck lint: error: {exc}", file=sys.stderr)
         return 2
-    if result.files == 0 and not result.errors:
+    silent = args.silent or args.quiet >= 2
+    quiet = silent or args.quiet > 0
+    if result.files == 0 and not result.errors and not quiet:
         # as ruff: not an error (an empty folder in a pre-commit run), but not silent either
         print("synccheck lint: warning: no Python files found under " + ", ".join(args.paths), file=sys.stderr)
-    render(result, args.format, sys.stdout, statistics=args.statistics)
+    if args.output_file is not None:
+        import io
+
+        report = io.StringIO()
+        # --statistics beside json/sarif writes its counts to stderr, which --silent keeps quiet
+        render(result, args.format, report, statistics=args.statistics, quiet=quiet,
+               err=io.StringIO() if silent else sys.stderr)
+        try:
+            _write_replacing(args.output_file, report.getvalue())
+        except OSError as exc:
+            print(f"synccheck lint: error: cannot write --output-file {args.output_file}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 2
+    elif not silent:
+        render(result, args.format, sys.stdout, statistics=args.statistics, quiet=quiet)
     if args.exit_zero:
         return 0
     return 1 if (result.findings or result.errors) else 0
+
+
+def _check_output_file(path: str) -> None:
+    """Said before any file is read, not after the work: the folder exists, PATH is not one, and a
+    file can really be created there (the profiler's check: mode bits alone do not tell)."""
+    from synccheck.profiler.launcher import UsageError as OutputError, check_output_path
+
+    try:
+        check_output_path(path, "--output-file")
+    except OutputError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _write_replacing(path: str, text: str) -> None:
+    """Write `text` to `path` so that a reader never sees half a report and a failed write (a full
+    disk) leaves the previous file whole: a temporary file beside it, then an atomic rename. A symlink
+    is followed (its target is replaced), an existing file keeps its permissions."""
+    import tempfile
+
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    except OSError:
+        # a writable file in a folder we may not create files in: write it in place
+        with open(target, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        if os.path.exists(target):
+            import shutil
+            shutil.copymode(target, tmp)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def rule_main(argv: List[str]) -> int:

@@ -19,12 +19,14 @@ def _where(f) -> str:
 
 
 def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: bool = False,
-           err: TextIO = sys.stderr) -> None:
+           err: TextIO = sys.stderr, quiet: bool = False) -> None:
     """`statistics`: as ruff, the count per code replaces the findings in the text formats; with a
-    machine-readable format the report stays whole on `out` and the counts go to `err`."""
+    machine-readable format the report stays whole on `out` and the counts go to `err`.
+    `quiet` (ruff's --quiet): the findings only, without the closing summary or "All checks passed!"."""
     if statistics and fmt in ("full", "concise"):
         _statistics(result, out)
-        _summary_plain(result, out)
+        if not quiet:
+            _summary_plain(result, out)
         return
     if fmt == "json":
         out.write(json.dumps(to_json(result), indent=2) + "\n")
@@ -43,9 +45,10 @@ def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: b
             out.write(f"{_where(f)}: {f.code} [{f.severity}] {f.message}\n")
         for e in result.errors:
             out.write(f"{e.path}: error: {e.message}\n")
-        _summary_plain(result, out)
+        if not quiet:
+            _summary_plain(result, out)
     else:
-        _full(result, out)
+        _full(result, out, quiet)
     if statistics:
         _statistics(result, err)
 
@@ -66,16 +69,20 @@ def _files(n: int) -> str:
     return f"{n} file{'s' if n != 1 else ''}"
 
 
-def _full(result: LintResult, out: TextIO) -> None:
+def _full(result: LintResult, out: TextIO, quiet: bool = False) -> None:
     if not result.findings and not result.errors:
         # a clean run must stay fast (pre-commit): no rich import for one line
-        out.write(f"All checks passed! ({_files(result.files)} checked)\n")
+        if not quiet:
+            out.write(f"All checks passed! ({_files(result.files)} checked)\n")
         return
     from rich.console import Console
     from rich.text import Text
 
     console = Console(file=out, highlight=False, soft_wrap=not out.isatty(),
                       force_terminal=None if out.isatty() else False)
+    # Source lines are cut to this many cells, as ruff does: the terminal's width, or (a file, a pipe,
+    # CI logs) $COLUMNS when set, else 140, ruff's default.
+    code_width = console.width if out.isatty() or os.environ.get("COLUMNS") else SNIPPET_WIDTH
     sources: dict = {}
     for f in result.findings:
         color = "red" if f.severity == "error" else "yellow"
@@ -88,20 +95,21 @@ def _full(result: LintResult, out: TextIO) -> None:
         console.print(head)
         console.print(Text("  " + f.message))
         lines = _source_lines(f, sources)
-        if lines:
+        if lines and f.line <= len(lines):
             width = len(str(f.line))
-            start = max(1, f.line - 1)
-            for number in range(start, min(f.line, len(lines)) + 1):
-                text = lines[number - 1].rstrip("\n")
+            gutter = len(f"  {'':>{width}} | ")
+            shown, (caret_at, caret_len) = snippet(lines, f, code_width - gutter)
+            for number, text in shown:
                 console.print(Text(f"  {number:>{width}} | ", style="dim") + Text(text))
-            end = f.end_column if f.end_line == f.line else len(lines[f.line - 1].rstrip()) + 1
-            caret = " " * (f.column - 1) + "^" * max(1, end - f.column)
+            caret = " " * caret_at + "^" * caret_len
             console.print(Text(f"  {'':>{width}} | ", style="dim") + Text(caret, style=f"bold {color}"))
         if f.fix:
             console.print(Text("  fix: ", style="bold cyan") + Text(f.fix))
         console.print()
     for e in result.errors:
         console.print(Text(f"{e.path}: ", style="bold") + Text("error: ", style="bold red") + Text(e.message))
+    if quiet:
+        return
     buf = Text()
     n, errors = len(result.findings), sum(1 for f in result.findings if f.severity == "error")
     if n:
@@ -112,6 +120,73 @@ def _full(result: LintResult, out: TextIO) -> None:
                    style="bold")
     buf.append(f" in {_files(result.files)}.")
     console.print(buf)
+
+
+SNIPPET_WIDTH = 140
+CUT = "..."                 # ASCII, like ruff's: any terminal shows it in 3 cells
+MIN_CODE_WIDTH = 40         # never cut narrower than this, even in a very narrow terminal
+# Shown as nothing: bidirectional overrides and zero-width joiners would reorder or hide what the terminal
+# shows (the "Trojan Source" characters), as ruff's renderer drops them.
+_INVISIBLE = dict.fromkeys(map(ord, "\u200d\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"), "")
+
+
+def _cell_text(char: str) -> str:
+    """What one source character is shown as: a tab as 4 spaces (ruff's), another control character as
+    its Unicode control picture (an ESC in a string literal must not drive the terminal)."""
+    if char == "\t":
+        return "    "
+    code = ord(char)
+    if code < 0x20 or code == 0x7f:
+        return chr(0x2400 + code) if code < 0x20 else "\u2421"
+    return char.translate(_INVISIBLE)
+
+
+def snippet(lines: list, f, code_width: int) -> tuple:
+    """The source lines of finding `f` as shown: ``([(number, text), ...], (caret_offset, caret_len))``.
+
+    Lines longer than `code_width` terminal cells are cut around the reported span, the same window
+    for every line shown so they stay aligned, with ``...`` where text was cut (ruff's renderer does
+    the same). Offsets are in terminal cells: tabs, wide (CJK) characters and control characters are
+    measured as the terminal shows them, so the caret stays under the reported column."""
+    from rich.cells import cell_len
+
+    code_width = max(MIN_CODE_WIDTH, code_width)
+    numbers = list(range(max(1, f.line - 1), f.line + 1))
+    # per line: the shown text of each character, and its width in cells
+    cells = []
+    for number in numbers:
+        pieces = [_cell_text(ch) for ch in lines[number - 1].rstrip("\r\n")]
+        cells.append((pieces, [cell_len(p) for p in pieces]))
+    pieces, widths = cells[-1]
+    start_char = min(max(f.column - 1, 0), len(pieces))
+    end_char = f.end_column - 1 if f.end_line == f.line else len(pieces)
+    end_char = min(max(end_char, start_char + 1), max(len(pieces), start_char + 1))
+    span_left = sum(widths[:start_char])
+    span_right = max(span_left + 1, sum(widths[:end_char]))
+    longest = max(sum(w) for _, w in cells)
+    if longest <= code_width:
+        left, right = 0, longest
+    else:
+        # Room for the markers on both sides; the span as near the middle as the line allows, and
+        # when even the span does not fit, its start with a little context before it.
+        room = code_width - 2 * len(CUT)
+        left = span_left - max((room - (span_right - span_left)) // 2, min(6, span_left))
+        left = max(0, min(left, longest - room))
+        right = left + room
+    shown = []
+    for number, (pieces, widths) in zip(numbers, cells):
+        text, at, first_at = [], 0, None
+        for piece, w in zip(pieces, widths):
+            if at >= left and at + w <= right:
+                first_at = at if first_at is None else first_at
+                text.append(piece)
+            at += w
+        # a wide character cut by the left edge leaves its cell blank, so the columns stay put
+        pad = " " * (first_at - left) if first_at is not None else ""
+        shown.append((number, (CUT if left > 0 else "") + pad + "".join(text) + (CUT if at > right else "")))
+    caret_at = (len(CUT) if left > 0 else 0) + max(0, span_left - left)
+    caret_len = max(1, min(span_right, right) - max(span_left, left))
+    return shown, (caret_at, caret_len)
 
 
 def _source_lines(f, cache: dict) -> list:

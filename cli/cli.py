@@ -19,9 +19,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "profile": ("synccheck.profiler.cli", "profile_main",
                 "run a training command and count gradient all-reduces per optimizer step in every rank"),
     "report": ("synccheck.profiler.cli", "report_main",
-               "merge the per-rank records of `synccheck profile --out DIR` (several nodes) and report"),
+               "report again on the records of `synccheck profile --out DIR` (several nodes: merged)"),
     "demo": ("synccheck.demo", "demo_main",
-             "run the bundled examples (seeds 000/001/004) linted, profiled and timed on this machine"),
+             "lint, profile and time five versions of a gradient-accumulation loop on this machine (CPU)"),
 }
 
 USAGE = """usage: synccheck <command> [options]

@@ -1,7 +1,9 @@
-"""`synccheck demo`: the seeds' experiment, live on this machine.
+"""`synccheck demo`: the gradient-accumulation experiment, live on this machine.
 
-For each bundled example (seed 004's baseline, `no_sync` around the backward only, correct `no_sync`,
-`GradientAccumulator`; seed 001's local SGD), the linter reads its source, the profiler runs it on
+For each bundled example (the four setups timed in the Hugging Face Accelerate guide "Gradient
+synchronization": no sync control, `no_sync` around the backward only, correct `no_sync`, and here
+`GradientAccumulator` for `accumulate`; plus K-batch synchronous SGD as `LocalSGD`), the linter reads its
+source, the profiler runs it on
 gloo ranks and counts what was all-reduced, and the example itself reports its seconds per optimizer
 step. One table puts the three side by side.
 
@@ -24,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# (variant, example file, what it does): the order of the seeds' table.
+# (variant, example file, what it does): the order of the Accelerate guide's timing table, then local SGD.
 VARIANTS: list[tuple[str, str, str]] = [
     ("baseline", "baseline.py", "no sync control: every micro-step all-reduces"),
     ("no_sync_backward_only", "no_sync_backward_only.py", "no_sync() around backward only: too late"),
@@ -32,16 +34,18 @@ VARIANTS: list[tuple[str, str, str]] = [
     ("accumulate", "accumulate.py", "synccheck.runtime.GradientAccumulator"),
     ("local_sgd", "local_sgd.py", "synccheck.runtime.LocalSGD: average parameters every K steps"),
 ]
-ACCUM = 4          # micro-steps per optimizer step (the examples' default; seed 004 accumulates 4)
-EVERY = 4          # local SGD: optimizer steps between parameter averagings (seed 001's K)
+ACCUM = 4          # micro-steps per optimizer step (the examples' default; the Accelerate guide accumulates 4)
+EVERY = 4          # local SGD: optimizer steps between parameter averagings (K of K-batch synchronous SGD)
 RESULT_PREFIX = "EXAMPLE_RESULT "
 VARIANT_TIMEOUT_S = 600
 
 USAGE = "synccheck demo [--json PATH] [--ranks N] [--steps N] [--width W] [--where]"
 DESCRIPTION = """\
-Run the seeds' gradient-accumulation experiment on this machine, on CPU (gloo): five versions of one
-training loop, each linted, run under `synccheck profile` and timed. Shows the sync misuse the linter
-finds in the source, what the profiler counts at run time, and what it costs.
+Run a gradient-accumulation experiment on this machine, on CPU (gloo): five versions of one training
+loop, each linted, run under `synccheck profile` and timed. Shows the sync misuse the linter finds in
+the source, what the profiler counts at run time, and what it costs. The first four are the setups
+timed in the Hugging Face Accelerate guide "Gradient synchronization"
+(https://huggingface.co/docs/accelerate/concept_guides/gradient_synchronization).
 
 variants (their scripts are in the examples folder: `synccheck demo --where`):
 """ + "\n".join(f"  {name:<22} {what}" for name, _, what in VARIANTS)
@@ -150,9 +154,11 @@ def profile_command(script: Path, report: Path, args) -> list[str]:
 
 
 def _run(cmd: list[str], cwd: str, timeout: float) -> tuple[int | None, str, str]:
-    """Run ``cmd`` in its own process group; on timeout or Ctrl-C stop the whole group (torchrun's workers too)."""
+    """Run ``cmd`` in its own process group; on timeout or Ctrl-C stop the whole group (torchrun's workers too).
+    Its temp directory is ``cwd``: torchrun leaves a torchelastic_* folder in it per run, which then goes
+    with the demo's own temporary folder instead of piling up in /tmp."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            errors="replace", start_new_session=True)
+                            errors="replace", start_new_session=True, env={**os.environ, "TMPDIR": cwd})
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -292,7 +298,8 @@ def render_table(rows: list[Row], args, console) -> None:
     for row in rows:
         if row.variant == "local_sgd" and not row.error:
             console.print(f"local_sgd all-reduces no gradients: it averages the parameters every {EVERY} "
-                          "optimizer steps instead (seed 001's K-batch synchronous SGD).",
+                          "optimizer steps instead (K-batch synchronous SGD, as Accelerate's local SGD: "
+                          "https://huggingface.co/docs/accelerate/usage_guides/local_sgd).",
                           style="dim", highlight=False)
         if row.error:
             console.print(f"{row.variant} failed: {row.error}", style="red", highlight=False)
@@ -320,11 +327,12 @@ def demo_main(argv: list[str]) -> int:
         print(folder)
         return 0
     if args.json_path:
-        parent = Path(args.json_path).resolve().parent
-        if not parent.is_dir() or Path(args.json_path).is_dir():
-            # said now, not after a minute of training
-            print(f"synccheck demo: cannot write {args.json_path}: no such folder or it is a folder",
-                  file=sys.stderr)
+        from synccheck.profiler.launcher import UsageError, check_output_path
+
+        try:
+            check_output_path(args.json_path, "--json")     # said now, not after a minute of training
+        except UsageError as exc:
+            print(f"synccheck demo: {exc}", file=sys.stderr)
             return 2
     if not torch_available():
         print("synccheck demo: needs PyTorch, which is not installed here: pip install 'synccheck[torch]'",

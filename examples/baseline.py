@@ -1,4 +1,4 @@
-"""Gradient accumulation with DDP and no sync control: every micro-step all-reduces (seed 004's baseline).
+"""Gradient accumulation with DDP, no sync control: every micro-step all-reduces (Accelerate's "Baseline").
 
     torchrun --standalone --nproc_per_node=2 examples/baseline.py
     synccheck lint examples/baseline.py      # SC101

@@ -36,7 +36,7 @@ def setup() -> tuple:
 
 def make_model(args) -> nn.Module:
     # Wide and shallow: many bytes to all-reduce, little compute. On 2 CPU ranks that is the regime
-    # of seed 001's PCIe machines, where communication costs as much as the training itself.
+    # of GPUs joined by PCI Express, where communication can cost as much as the training itself.
     return nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
                          nn.Linear(args.width, 1))
 

@@ -1,4 +1,4 @@
-"""Seed 001's K-batch synchronous SGD: no gradient all-reduce at all, parameters averaged every K steps.
+"""K-batch synchronous SGD (local SGD): no gradient all-reduce at all, parameters averaged every K steps.
 
     torchrun --standalone --nproc_per_node=2 examples/local_sgd.py --every 4
     synccheck lint examples/local_sgd.py      # clean: LocalSGD turns sync off on purpose

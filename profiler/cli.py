@@ -14,6 +14,11 @@ PROFILE_EPILOG = """examples:
   synccheck profile --json report.json --trace trace.json -- python train.py   (mp.spawn)
   synccheck profile --out /shared/prof -- torchrun --nnodes=2 ... train.py     (then: synccheck report /shared/prof)
 
+records: with --out DIR, kept in DIR. Without it, in a new $TMPDIR/synccheck-profile-* folder (TMPDIR
+  defaults to /tmp), removed after the report when the command succeeded; when it failed, was
+  interrupted (Ctrl-C) or hung, the folder is kept and named in the last line, and only the 5 latest
+  kept folders stay (the newest: ls -td ${TMPDIR:-/tmp}/synccheck-profile-* | head -1).
+
 exit code: the command's own (127 when it does not exist); --strict: 1 when it succeeded but findings exist.
 """
 
@@ -33,8 +38,9 @@ def _profile_parser() -> argparse.ArgumentParser:
                 description="Run a data-parallel PyTorch job unchanged and count, per rank and per optimizer "
                             "step, the micro-steps, the ones that synchronized gradients, and the bytes "
                             "all-reduced; then judge them with the linter's codes (SC101, SC102, SC103).")
-    p.add_argument("--out", metavar="DIR", help="folder for the per-rank records (default: a new temporary "
-                                                "folder); share it between nodes, then `synccheck report DIR`")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder for the per-rank records, kept after the run; share it between nodes, then "
+                        "`synccheck report DIR` (without --out: see 'records' below)")
     p.add_argument("--json", metavar="PATH", dest="json_path", help="write the report as JSON")
     p.add_argument("--trace", metavar="PATH", dest="trace_path",
                    help="write a Chrome trace (open it in https://ui.perfetto.dev)")
@@ -97,11 +103,33 @@ def profile_main(argv: list[str]) -> int:
     except UsageError as exc:
         _err(str(exc))
         return exc.code
-    return _report_run(opts, result)
+    try:
+        code = _report_run(opts, result)
+    except BaseException:
+        # a second Ctrl-C or an internal error while reporting: the records are all there is, say where
+        if result.temporary:
+            _err(f"the records are in {result.out_dir} (`synccheck report {result.out_dir}` reads them)")
+        raise
+    _finish_records(result)
+    return code
+
+
+def _finish_records(result) -> None:
+    """Without --out: a run that went well leaves nothing behind; a failed, interrupted or hung one keeps
+    its records and says where (see launcher.finish_records)."""
+    from synccheck.profiler.launcher import KEPT_RUNS, finish_records, records_worth_keeping
+
+    if result.temporary and records_worth_keeping(result):
+        why = ("the job hung" if result.hang else f"the command was interrupted ({result.interrupted})"
+               if result.interrupted else f"the command exited with code {result.exit_code}")
+        _err(f"{why}: records kept in {result.out_dir} (`synccheck report DIR` reads them again; without "
+             f"--out only the {KEPT_RUNS} latest such runs are kept)")
+    finish_records(result)
 
 
 def _report_run(opts, result) -> int:
     from synccheck.profiler import records, render, verdict
+    from synccheck.profiler.launcher import records_worth_keeping
 
     ranks, notes = records.load_ranks(result.out_dir, session=result.session)
     headline = []
@@ -128,16 +156,20 @@ def _report_run(opts, result) -> int:
     if result.sample is not None:
         from synccheck.profiler.sample import print_sample
         print_sample(result.sample, console)
-    render.print_report(report, console, exit_code=result.exit_code, out_dir=result.out_dir,
-                        headline_notes=headline, hang=result.hang)
+    # a temporary folder is named only where it outlives the report (the line after it)
+    render.print_report(report, console, exit_code=result.exit_code,
+                        out_dir=None if result.temporary else result.out_dir, headline_notes=headline,
+                        hang=result.hang)
     extra = {"hang": result.hang, "sample": result.sample, "interrupted": result.interrupted,
              "session": result.session}
     # The job has run: a report that cannot be written now is said in one line, and the command's own
     # exit code still comes back (the records stay in out_dir for `synccheck report`).
     if opts.json_path:
         try:
+            kept = records_worth_keeping(result)
             render.write_json(opts.json_path, render.to_json(report, exit_code=result.exit_code,
-                                                             command=opts.command, out_dir=result.out_dir,
+                                                             command=opts.command,
+                                                             out_dir=result.out_dir if kept else None,
                                                              extra=extra))
         except OSError as exc:
             _err(f"cannot write --json {opts.json_path}: {exc.strerror or exc}")
@@ -161,7 +193,8 @@ def _console():
 def _report_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="synccheck report", usage="synccheck report [options] DIR",
                 description="Merge the per-rank records in DIR (written by one or more `synccheck profile "
-                            "--out DIR` runs, e.g. one per node) and print the report.")
+                            "--out DIR` runs, e.g. one per node, or the folder a failed, interrupted or hung "
+                            "`synccheck profile` run kept) and print the report.")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--json", metavar="PATH", dest="json_path", help="write the report as JSON")
     p.add_argument("--trace", metavar="PATH", dest="trace_path", help="write a Chrome trace")

@@ -21,6 +21,13 @@ from synccheck.profiler import recorder as R
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
 POLL_S = 0.25
+# Without --out the records go to a new folder in the temp directory ($TMPDIR, else /tmp). It is removed
+# once a run that went well is reported; a failed, interrupted or hung run's folder is kept for
+# `synccheck report DIR`, and only the newest KEPT_RUNS of those stay. The marker file tells a folder
+# this launcher made (and may remove) from one a user named with --out.
+TEMP_PREFIX = "synccheck-profile-"
+TEMP_MARKER = ".synccheck-temporary"
+KEPT_RUNS = 5
 
 
 class UsageError(Exception):
@@ -57,6 +64,7 @@ class RunResult:
     hang: dict | None = None
     sample: dict | None = None
     notes: list = field(default_factory=list)
+    temporary: bool = False          # out_dir is ours (no --out): removed or kept by finish_records
 
 
 def resolve_command(command: list) -> str:
@@ -80,7 +88,10 @@ def resolve_command(command: list) -> str:
 def prepare_out_dir(out_dir: str | None) -> str:
     """Create (or check) the records folder, and prove it is writable before the command starts."""
     if out_dir is None:
-        return tempfile.mkdtemp(prefix="synccheck-profile-")
+        out_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+        with open(os.path.join(out_dir, TEMP_MARKER), "w", encoding="utf-8"):
+            pass
+        return out_dir
     out_dir = os.path.abspath(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -138,10 +149,10 @@ def exit_code_of(returncode: int) -> int:
 
 def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     resolve_command(opts.command)
-    out_dir = prepare_out_dir(opts.out_dir)
     check_output_path(opts.json_path, "--json")
     check_output_path(opts.trace_path, "--trace")
     check_output_path(opts.sample_path, "--sample")
+    out_dir = prepare_out_dir(opts.out_dir)
     session = uuid.uuid4().hex[:12]
     env = child_env(out_dir, session, opts.comm_hook)
 
@@ -152,11 +163,13 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
         # Its own process group: a terminal's Ctrl-C reaches only us, and we forward it to the whole
         # group, as the terminal would have; on a hang the group is what we stop.
         child = subprocess.Popen(command, env=env, process_group=0)
-    except FileNotFoundError:
-        raise UsageError(f"command not found: {command[0]}", 127) from None
-    except PermissionError:
-        raise UsageError(f"command is not executable: {command[0]}", 126) from None
     except OSError as exc:
+        if opts.out_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)     # nothing ran: nothing to keep
+        if isinstance(exc, FileNotFoundError):
+            raise UsageError(f"command not found: {command[0]}", 127) from None
+        if isinstance(exc, PermissionError):
+            raise UsageError(f"command is not executable: {command[0]}", 126) from None
         raise UsageError(f"cannot run {command[0]}: {exc.strerror or exc}", 126) from None
 
     sampler = None
@@ -164,7 +177,8 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
         from synccheck.profiler.sample import Sampler
         sampler = Sampler(opts.sample_path, opts.sample_format, opts.sample_rate)
         sampler.start(child.pid, out_dir, session)
-    result = RunResult(exit_code=0, session=session, out_dir=out_dir, started=started, ended=started)
+    result = RunResult(exit_code=0, session=session, out_dir=out_dir, started=started, ended=started,
+                       temporary=opts.out_dir is None)
     received: list[int] = []
 
     def forward(signum, _frame):
@@ -214,6 +228,46 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
         result.notes.extend(sampler.notes)
     _write_launcher_result(out_dir, session, opts.command, result)
     return result
+
+
+def records_worth_keeping(result: RunResult) -> bool:
+    """Whether a run's records outlive its report: always with --out; without it, only when the command
+    failed, was interrupted or hung, where `synccheck report DIR` on them is the way to look again."""
+    return not result.temporary or bool(result.exit_code or result.interrupted or result.hang)
+
+
+def finish_records(result: RunResult) -> None:
+    """After the report: remove a temporary records folder that is not worth keeping; when one is kept,
+    remove the older kept ones beyond the newest KEPT_RUNS."""
+    if not result.temporary:
+        return
+    if not records_worth_keeping(result):
+        shutil.rmtree(result.out_dir, ignore_errors=True)
+        return
+    for old in kept_runs()[KEPT_RUNS:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def kept_runs() -> list[str]:
+    """The finished temporary records folders of this user in the temp directory, newest first. A
+    folder without the marker (someone's --out) or without a launcher file (a run still going) is
+    never listed, so never removed."""
+    import glob
+
+    found = []
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), TEMP_PREFIX + "*")):
+        try:
+            st = os.lstat(folder)
+            if not os.path.isdir(folder) or os.path.islink(folder) or st.st_uid != os.geteuid():
+                continue
+            if not os.path.exists(os.path.join(folder, TEMP_MARKER)):
+                continue
+            ends = [os.path.getmtime(p) for p in glob.glob(os.path.join(folder, "launcher.*.json"))]
+        except OSError:
+            continue
+        if ends:
+            found.append((max(ends), folder))
+    return [folder for _, folder in sorted(found, reverse=True)]
 
 
 def _write_launcher_result(out_dir: str, session: str, command: list, result: RunResult) -> None:

@@ -1,4 +1,4 @@
-"""Local SGD (K-batch synchronous SGD, seed 001): no gradient all-reduce, parameters averaged every K steps.
+"""Local SGD (K-batch synchronous SGD): no gradient all-reduce, parameters averaged every K steps.
 
 Each rank steps its optimizer on its own gradients; every ``every`` optimizer steps the ranks average
 their parameters, so communication drops from one gradient all-reduce per step to one parameter

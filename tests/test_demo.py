@@ -4,6 +4,7 @@ and timed, at a reduced size. What each variant all-reduces follows from its loo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from argparse import Namespace
@@ -19,15 +20,19 @@ ACCUM = demo.ACCUM
 STEPS, WIDTH = 6, 128
 
 
-def synccheck(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "synccheck", *args], capture_output=True, text=True, timeout=timeout)
+def synccheck(*args: str, timeout: float = 240, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-m", "synccheck", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "demo.json"
-    proc = synccheck("demo", "--steps", str(STEPS), "--width", str(WIDTH), "--json", str(out))
+    temp = tmp_path_factory.mktemp("demo-tmpdir")      # the demo's temp directory, to see what it leaves
+    proc = synccheck("demo", "--steps", str(STEPS), "--width", str(WIDTH), "--json", str(out),
+                     env={**os.environ, "TMPDIR": str(temp)})
     rows = json.loads(out.read_text()) if out.exists() else None
+    proc.leftovers = sorted(p.name for p in temp.iterdir())
     return proc, rows
 
 
@@ -47,6 +52,8 @@ def test_demo_runs_every_variant(demo_run):
     # the table, on stdout, one line per variant
     for name, _, _ in demo.VARIANTS:
         assert any(line.split()[:1] == [name] for line in proc.stdout.splitlines()), proc.stdout
+    # nothing left in the temp directory: no records folder per variant, no torchrun log folder
+    assert proc.leftovers == []
 
 
 @pytest.mark.multirank

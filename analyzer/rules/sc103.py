@@ -30,6 +30,7 @@ class UnsyncedStep(Rule):
         Sync exactly on the micro-step whose backward is followed by the optimizer step, using the
         same condition for both.
     """
+    references = ("PyTorch, `DistributedDataParallel.no_sync`: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync",)
     INVALID = ("""
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -19,7 +19,7 @@ class AccumulateWithoutSteps(Rule):
         size, at full communication cost.
     """
     use_instead = "Pass `gradient_accumulation_steps=N` to `Accelerator(...)`."
-    references = ("https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation",)
+    references = ("Hugging Face Accelerate, Performing gradient accumulation: https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation",)
     INVALID = ("""
         from accelerate import Accelerator
 

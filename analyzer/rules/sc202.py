@@ -17,13 +17,15 @@ class UnscaledAccumulatedLoss(Rule):
     why = """
         Gradients of N micro-steps add up. Without dividing each loss by N the optimizer sees N times
         the gradient of one batch: with SGD that is an N-times larger learning rate, and the result
-        no longer matches training on the large batch (seed 002 divides by ACC_STEPS for exactly this).
+        no longer matches training on the large batch (the article in References divides each loss by
+        its accumulation steps for exactly this).
     """
     use_instead = """
         Divide the loss by the number of micro-steps in the window, or use
         `synccheck.runtime.GradientAccumulator`, whose `backward()` divides by the real window size
         (a partial last window included).
     """
+    references = ("Multiple GPU training in PyTorch and Gradient Accumulation as an alternative to it (Towards Data Science, 2023): https://towardsdatascience.com/multiple-gpu-training-in-pytorch-and-gradient-accumulation-as-an-alternative-to-it-e578b3fc5b91",)
     INVALID = ("""
         for i, (x, y) in enumerate(loader):
             loss = loss_fn(model(x), y)

@@ -18,7 +18,7 @@ class SamplerWithoutSetEpoch(Rule):
         asked for happens once, and training generalises worse.
     """
     use_instead = "Call `sampler.set_epoch(epoch)` at the start of each epoch, before iterating the loader."
-    references = ("https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler",)
+    references = ("PyTorch, `DistributedSampler` (and `set_epoch`): https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler",)
     INVALID = ("""
         from torch.utils.data import DataLoader, DistributedSampler
 
