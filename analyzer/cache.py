@@ -40,7 +40,7 @@ class Cache:
         ruleset = hashlib.blake2b(",".join(sorted(codes)).encode(), digest_size=8).hexdigest()
         self.file = os.path.join(directory, __version__, f"{ruleset}.json")
         self.directory = directory
-        self.files: dict = {}         # path -> [mtime_ns, size, key, gated, imports]
+        self.files: dict = {}         # path -> [mtime_ns, size, key, gated, imports, eager]
         self.components: dict = {}    # component key -> {"findings": [...], "errors": [...], "deps": [...]}
         self.used: set = set()
         self.dirty = False
@@ -55,7 +55,7 @@ class Cache:
     def fresh(self, path: str) -> Optional[tuple]:
         """(content key, gated, imports) remembered for ``path`` if its mtime and size are unchanged."""
         entry = self.files.get(path)
-        if not isinstance(entry, list) or len(entry) != 5:
+        if not isinstance(entry, list) or len(entry) != 6:
             return None
         try:
             st = os.stat(path)
@@ -63,14 +63,14 @@ class Cache:
             return None
         if [st.st_mtime_ns, st.st_size] != entry[:2]:
             return None
-        return entry[2], entry[3], [tuple(i) for i in entry[4]]
+        return entry[2], entry[3], [tuple(i) for i in entry[4]], entry[5]
 
-    def note(self, path: str, key: str, gated: bool, imports: list) -> None:
+    def note(self, path: str, key: str, gated: bool, imports: list, eager: bool = False) -> None:
         try:
             st = os.stat(path)
         except OSError:
             return
-        entry = [st.st_mtime_ns, st.st_size, key, gated, [list(i) for i in imports]]
+        entry = [st.st_mtime_ns, st.st_size, key, gated, [list(i) for i in imports], eager]
         if self.files.get(path) != entry:
             self.files[path] = entry
             self.dirty = True

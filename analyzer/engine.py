@@ -73,7 +73,7 @@ class RuleContext:
 
     @staticmethod
     def text(module, node) -> str:
-        return (ast.get_source_segment(module.text, node) or ast.unparse(node)).strip()
+        return (module.segment(node) or ast.unparse(node)).strip()
 
 
 def select_rules(select: Optional[Sequence[str]] = None, ignore: Optional[Sequence[str]] = None) -> list:
@@ -89,8 +89,9 @@ def wanted_rules(text: str, rules: Sequence) -> list:
 
 # ---------------------------------------------------------------------------------------------------
 
-def analyse(project, rules: Sequence) -> dict:
-    """Findings per path for every linted module of a project."""
+def analyse(project, rules: Sequence, keep: Optional[list] = None, skip=frozenset()) -> dict:
+    """Findings per path for every linted module of a project. ``keep``: filled with the modules the
+    analysis parsed on demand (not in ``skip``), before the project is torn down."""
     from synccheck.analyzer.project.program import Program
 
     program = Program(project)
@@ -101,6 +102,8 @@ def analyse(project, rules: Sequence) -> dict:
                 rule().check(ctx)
         raw = ctx.raw
         ctx.raw = []
+        if keep is not None:
+            keep.extend(m for m in project.modules() if os.path.abspath(m.path) not in skip)
         return _positioned(raw)
     finally:
         program.close()
@@ -204,10 +207,11 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
 
 
 class _Entry:
-    """One discovered file: its content key, whether the analysis wants it, its imports, its text."""
-    __slots__ = ("path", "key", "gated", "imports", "text", "notebook", "linted")
+    """One discovered file: its content key, whether the analysis wants it (gated: it may matter;
+    eager: it may hold a finding, so it is parsed up front), its imports, its text."""
+    __slots__ = ("path", "key", "gated", "imports", "text", "notebook", "linted", "eager")
 
-    def __init__(self, path, key, gated, imports, text=None, notebook=None, linted=True) -> None:
+    def __init__(self, path, key, gated, imports, text=None, notebook=None, linted=True, eager=False) -> None:
         self.path = path
         self.key = key
         self.gated = gated
@@ -215,9 +219,23 @@ class _Entry:
         self.text = text
         self.notebook = notebook
         self.linted = linted
+        self.eager = eager
+
+
+def eager(text: str, rules: Sequence) -> bool:
+    """Can this file hold a finding? A rule wants its words, or it runs a training loop whose
+    backward or step may be in another file. Other files of a component are parsed only if the
+    analysis needs them (an import, a caller, a base class)."""
+    if any(r.code != "SC000" and (r.wants(text) or r.reaches(text)) for r in rules):
+        return True
+    return ("for " in text or "while " in text) and any(w in text for w in LOOP_WORDS)
+
+
+LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_backward_grad_sync")
 
 
 def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
+    rules = [BY_CODE[c] for c in codes]
     from synccheck.analyzer.cache import component_key, content_key
     from synccheck.analyzer.imports import Components, imported_names, importers_beside, read_imports
 
@@ -230,26 +248,27 @@ def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
         apath = os.path.abspath(path)
         known = cache.fresh(path) if cache is not None and not path.endswith(".ipynb") else None
         if known is not None:
-            key, gated, imports = known
-            entries[apath] = _Entry(path, key, gated or apath in explicit, imports)
+            key, gated, imports, is_eager = known
+            entries[apath] = _Entry(path, key, gated or apath in explicit, imports,
+                                    eager=is_eager or apath in explicit)
             fresh_files += 1
             continue
         # a file named on the command line is analysed even without our words: its loop may run
         # a backward through a helper in another file (a pre-commit hook passes such files)
-        entry, error = _read(path, content_key, imported_names, force=apath in explicit)
+        entry, error = _read(path, content_key, imported_names, rules, force=apath in explicit)
         if error is not None:
             result.errors.append(error)
             continue
         entries[apath] = entry
         if cache is not None and not path.endswith(".ipynb"):
-            cache.note(path, entry.key, entry.gated, entry.imports)
+            cache.note(path, entry.key, entry.gated, entry.imports, entry.eager)
     candidates = {p: e for p, e in entries.items() if e.gated}
     # a lint of single files (a pre-commit hook): the files beside them that import them are context
     if candidates and all(os.path.isfile(p) for p in paths):
         linted = set(candidates)
         for apath in list(candidates):
             for other in importers_beside(apath, linted):
-                entry, error = _read(other, content_key, imported_names)
+                entry, error = _read(other, content_key, imported_names, rules)
                 if entry is not None and entry.gated:
                     entry.linted = False
                     candidates[os.path.abspath(other)] = entry
@@ -257,12 +276,14 @@ def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
     work = []
     for group in groups:
         members = []
+        if not any(candidates[p].eager for p in group if p in candidates):
+            continue                # nothing here can hold a finding
         for p in group:
             entry = candidates.get(p)
             if entry is None and p in entries:
                 # a linted file without any word of ours that a candidate imports (engine.py called
                 # by main.py): it is part of the project and its findings are reported
-                entry, error = _read(entries[p].path, content_key, imported_names, force=True)
+                entry, error = _read(entries[p].path, content_key, imported_names, rules, force=True)
                 if entry is None:
                     continue
             if entry is not None:
@@ -279,7 +300,9 @@ def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
     if len(work) >= POOL_MIN_COMPONENTS:
         pool.start()
     order = sorted(range(len(work)), key=lambda i: -sum(len(e.text or "") + 1 for e in work[i][1]))
-    jobs_in = [([(e.path, e.text, e.notebook, e.linted) for e in work[i][1]], codes) for i in order]
+    # the files that may hold a finding travel with their text; the others are read if needed
+    jobs_in = [([(e.path, e.text if e.eager else None, e.notebook, e.linted, e.eager, e.imports)
+                 for e in work[i][1]], codes) for i in order]
     for i, (findings, errors, parsed, deps) in zip(order, pool.map(_analyse_component, jobs_in)):
         key, members = work[i]
         result.findings.extend(findings)
@@ -290,14 +313,15 @@ def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
     return result
 
 
-def _read(path: str, content_key, imported_names, force: bool = False):
+def _read(path: str, content_key, imported_names, rules, force: bool = False):
     if path.endswith(".ipynb"):
         from synccheck.analyzer.notebook import read_notebook
         notebook, error = read_notebook(path)
         if error is not None:
             return None, error
         data = notebook.text.encode()
-        return _Entry(path, content_key(data), True, imported_names(data), notebook.text, notebook), None
+        return _Entry(path, content_key(data), True, imported_names(data), notebook.text, notebook,
+                      eager=True), None
     data, error = read_bytes(path)
     if data is None:
         return None, error
@@ -307,7 +331,7 @@ def _read(path: str, content_key, imported_names, force: bool = False):
     text, error = decode_source(path, data)
     if error is not None:
         return None, error
-    return _Entry(path, key, True, imported_names(data), text), None
+    return _Entry(path, key, True, imported_names(data), text, eager=force or eager(text, rules)), None
 
 
 def _analyse_component(args) -> tuple:
@@ -333,7 +357,10 @@ def _analyse_files(members: list, codes: tuple) -> tuple:
     parsed_files = []
     project = Project(roots=[os.path.dirname(os.path.abspath(p)) for p, *_ in members])
     parsed = 0
-    for path, text, notebook, linted in members:
+    for path, text, notebook, linted, is_eager, imports in members:
+        if not is_eager:
+            project.offer(path, text, imports)
+            continue
         if text is None:
             data, error = read_bytes(path)
             if data is None:
@@ -356,15 +383,23 @@ def _analyse_files(members: list, codes: tuple) -> tuple:
         if linted:
             parsed_files.append((path, text, notebook, tree, off))
     by_path: dict = {}
+    eager_paths = {os.path.abspath(p) for p, *_ in parsed_files}
+    lazily_parsed: list = []
     if parsed_files:
         try:
-            by_path = analyse(project, rules)
+            by_path = analyse(project, rules, keep=lazily_parsed, skip=eager_paths)
         except RecursionError:
             errors.append(FileError(parsed_files[0][0], "too deeply nested to analyse"))
+    parsed += sum(1 for m in lazily_parsed if m.linted)
+    # files of the lint set the analysis parsed on demand are reported like the others
+    known = {os.path.abspath(p) for p, *_ in parsed_files}  # noqa: the eager ones
+    for module in lazily_parsed:
+        if module.linted and os.path.abspath(module.path) not in known:
+            parsed_files.append((module.path, module.text, None, module.tree, file_ignores(module.text)))
     for path, text, notebook, tree, off in parsed_files:
         mine = [f for f in by_path.get(path, []) if not ignored(f.code, off)]
         findings.extend(_mapped(suppressed(text, mine, tree), notebook))
-    deps = [m.path for m in project.modules() if not any(m.path == p for p, *_ in members)]
+    deps = [m.path for m in lazily_parsed if not m.linted]
     return findings, errors, parsed, deps
 
 

@@ -43,7 +43,7 @@ def _left_for_the_collector(name: str, text: str):
     enabled = gc.isenabled()
     gc.disable()
     try:
-        findings, errors, parsed, deps = _analyse_component(([(name, text, None, True)], CODES))
+        findings, errors, parsed, deps = _analyse_component(([(name, text, None, True, True, None)], CODES))
         del findings, errors
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
@@ -70,11 +70,11 @@ def test_analysis_leaves_no_trees_in_cycles(name, text):
 
 def test_collector_state_is_restored():
     assert gc.isenabled()
-    _analyse_component(([("a.py", RANK_BRANCH, None, True)], CODES))
+    _analyse_component(([("a.py", RANK_BRANCH, None, True, True, None)], CODES))
     assert gc.isenabled()
     gc.disable()
     try:
-        _analyse_component(([("a.py", RANK_BRANCH, None, True)], CODES))
+        _analyse_component(([("a.py", RANK_BRANCH, None, True, True, None)], CODES))
         assert not gc.isenabled()
     finally:
         gc.enable()

@@ -198,8 +198,7 @@ def _constant(value) -> Optional[bool]:
 
 
 def _text(fr, node) -> str:
-    module = fr.module
-    text = ast.get_source_segment(module.text, node) if hasattr(node, "lineno") else None
+    text = fr.module.segment(node) if hasattr(node, "lineno") else None
     return (text or ast.unparse(node)).strip()
 
 

@@ -577,7 +577,7 @@ def _dotted(node) -> Optional[str]:
 
 
 def _text(fr, node) -> str:
-    return (ast.get_source_segment(fr.module.text, node) or ast.unparse(node)).strip()
+    return (fr.module.segment(node) or ast.unparse(node)).strip()
 
 
 # ---------------------------------------------------------------------------------------------------

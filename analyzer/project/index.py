@@ -26,7 +26,7 @@ FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 class Function:
     """A function or method of an indexed module."""
     __slots__ = ("node", "module", "qualname", "cls", "parent", "params", "contextmanager", "uid", "locals",
-                 "nested", "__weakref__")
+                 "nested", "info", "__weakref__")
 
     def __init__(self, node, module: "Module", qualname: str, cls: Optional["Class"], parent: Optional["Function"]):
         self.node = node
@@ -41,6 +41,7 @@ class Function:
         self.uid = f"{module.path}:{qualname}"
         self.locals: Optional[set] = None       # names the function binds (filled by values.py on demand)
         self.nested: dict = {}                   # name -> Function defined inside this one
+        self.info = None                         # what it binds (scopes.ScopeInfo, filled on demand)
 
     @property
     def is_method(self) -> bool:
@@ -52,7 +53,7 @@ class Function:
 
 
 class Class:
-    __slots__ = ("node", "module", "qualname", "methods", "uid", "__weakref__")
+    __slots__ = ("node", "module", "qualname", "methods", "uid", "bases", "mro", "attrs", "__weakref__")
 
     def __init__(self, node: ast.ClassDef, module: "Module", qualname: str):
         self.node = node
@@ -60,6 +61,9 @@ class Class:
         self.qualname = qualname
         self.methods: dict = {}
         self.uid = f"{module.path}:{qualname}"
+        self.bases = None           # resolved once (Project.bases)
+        self.mro = None
+        self.attrs = None           # attr -> [(method, value, unpack path)] of self.attr = value (values.py)
 
     def __repr__(self) -> str:
         return f"<Class {self.uid}>"
@@ -75,6 +79,8 @@ class Module:
         self.tree = tree
         self.text = text
         self.linted = linted
+        self._lines = None
+        self.info = None             # what its top level binds (values.py fills it on demand)
         self.imports: dict = {}      # local name -> (module, attribute or None, level)
         self.stars: list = []        # (module, level) of ``from m import *``
         self.functions: dict = {}    # qualname -> Function (top level, methods, nested)
@@ -85,6 +91,23 @@ class Module:
 
     def __repr__(self) -> str:
         return f"<Module {self.name} {self.path}>"
+
+    def segment(self, node) -> str:
+        """The source text of a node (ast.get_source_segment splits the whole file at every call)."""
+        lines = self._lines
+        if lines is None:
+            lines = self._lines = self.text.splitlines(keepends=True)
+        try:
+            first, last = node.lineno - 1, node.end_lineno - 1
+            start, end = node.col_offset, node.end_col_offset
+        except AttributeError:
+            return ""
+        if not 0 <= first <= last < len(lines):
+            return ""
+        if first == last:
+            return _cut(lines[first], start, end)
+        parts = [_cut(lines[first], start, None)] + lines[first + 1:last] + [_cut(lines[last], 0, end)]
+        return "".join(parts)
 
     def _index(self) -> None:
         self._walk(self.tree.body, cls=None, parent=None, prefix="", top=True)
@@ -145,6 +168,14 @@ class Module:
                 self.stars.append((module, stmt.level))
             else:
                 self.imports.setdefault(alias.asname or alias.name, (module, alias.name, stmt.level))
+
+
+def _cut(line: str, start, end) -> str:
+    """A line cut at UTF-8 byte offsets (what ast's col_offset counts)."""
+    if line.isascii():
+        return line[start:end]
+    data = line.encode("utf-8")
+    return data[start:end].decode("utf-8", errors="replace")
 
 
 def _decorator_name(node) -> str:
@@ -231,9 +262,89 @@ class Project:
         self.by_name: dict = {}          # dotted name -> [Module]
         self.roots = [os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in roots]
         self._find_cache: dict = {}
+        self._resolved: dict = {}
         self.context_loaded = 0
         self.errors: list = []           # (path, message) for context modules that could not be read
         self._classes_by_base: Optional[dict] = None
+        # files of the lint set not parsed yet: parsed when an import, a caller or a subclass is looked
+        # for in them (abspath -> (path, text or None)); their findings are reported like the others
+        self.catalog: dict = {}
+        self._catalog_imports: dict = {}
+        self._importers_done: set = set()
+        self._searched: set = set()
+        self.version = 0                 # bumped at every module added: indexes over modules refresh
+
+    def offer(self, path: str, text: Optional[str] = None, imports: Optional[list] = None) -> None:
+        """Make a file of the lint set available, to be parsed only if the analysis needs it.
+        ``imports``: its import lines (imports.imported_names), to find who imports a module."""
+        apath = os.path.abspath(path)
+        if apath not in self.by_path:
+            self.catalog[apath] = (path, text)
+            if imports is not None:
+                self._catalog_imports[apath] = imports
+
+    def importers(self, module: Module) -> list:
+        """Parse the catalogued files that import ``module`` (or a package that imports it): where its
+        callers and subclasses can be. A file that does not import a module cannot call into it."""
+        key = module.path
+        if key in self._importers_done:
+            return []
+        self._importers_done.add(key)
+        if not self._catalog_imports:
+            return []
+        from synccheck.analyzer.imports import module_paths
+        targets = {os.path.abspath(module.path)}
+        if not module.path.endswith("__init__.py"):
+            # ``from pkg import f`` reaches f in pkg/__init__.py's re-export; count the package too
+            init = os.path.join(os.path.dirname(os.path.abspath(module.path)), "__init__.py")
+            if os.path.exists(init):
+                targets.add(init)
+        out = []
+        for apath, imports in list(self._catalog_imports.items()):
+            if apath not in self.catalog:
+                continue
+            roots = self.roots
+            for level, name in imports:
+                if any(c in targets for c in module_paths(apath, level, name, roots)):
+                    found = self._from_catalog(apath)
+                    if found is not None:
+                        out.append(found)
+                    break
+        return out
+
+    def load_matching(self, word: str) -> list:
+        """Parse the catalogued files whose text holds ``word`` (a callee's or a class's name)."""
+        if word in self._searched or not self.catalog:
+            return []
+        self._searched.add(word)
+        out = []
+        for apath in list(self.catalog):
+            if apath not in self.catalog:
+                continue
+            path, text = self.catalog[apath]
+            if text is None:
+                text = _read_text(apath)
+                if text is None:
+                    del self.catalog[apath]
+                    continue
+                self.catalog[apath] = (path, text)
+            if word in text:
+                module = self._from_catalog(apath)
+                if module is not None:
+                    out.append(module)
+        return out
+
+    def _from_catalog(self, apath: str) -> Optional[Module]:
+        path, text = self.catalog.pop(apath)
+        if text is None:
+            text = _read_text(apath)
+            if text is None:
+                return None
+        try:
+            tree = ast.parse(text, path)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        return self.add(path, text, tree, linted=True)
 
     # -- adding modules -----------------------------------------------------------------------------
     def add(self, path: str, text: str, tree: ast.Module, linted: bool = True) -> Module:
@@ -243,6 +354,9 @@ class Project:
         self.by_path[apath] = module
         self.by_name.setdefault(name, []).append(module)
         self._classes_by_base = None
+        self._resolved.clear()
+        self.catalog.pop(apath, None)
+        self.version += 1
         return module
 
     def modules(self) -> list:
@@ -254,9 +368,12 @@ class Project:
         for module in self.by_path.values():
             for klass in module.classes.values():
                 klass.methods.clear()
+                klass.bases = klass.mro = klass.attrs = None
             for fn in module.functions.values():
                 fn.nested.clear()
                 fn.parent = None
+                fn.info = None
+            module.info = None
             module.functions.clear()
             module.classes.clear()
             module.top.clear()
@@ -268,6 +385,8 @@ class Project:
     def _load(self, apath: str) -> Optional[Module]:
         if apath in self.by_path:
             return self.by_path[apath]
+        if apath in self.catalog:
+            return self._from_catalog(apath)
         if not self.filesystem:
             return None
         if self.context_loaded >= MAX_CONTEXT_MODULES:
@@ -300,7 +419,7 @@ class Project:
             return self._find_file(here, name.split(".") if name else [])
         if not name:
             return None
-        key = (os.path.dirname(os.path.abspath(importer.path)), name)
+        key = (importer.path, name)
         if key in self._find_cache:
             path = self._find_cache[key]
             return self._load(path) if path else None
@@ -348,7 +467,16 @@ class Project:
     # -- names ---------------------------------------------------------------------------------------
     def resolve(self, module: Module, name: str, _seen: Optional[set] = None):
         """The symbol a module-level name stands for: Function, Class, ModuleRef, GlobalRef, External or None."""
-        seen = _seen if _seen is not None else set()
+        if _seen is None:
+            key = (module.path, name)
+            if key in self._resolved:
+                return self._resolved[key]
+            found = self._resolve(module, name, set())
+            self._resolved[key] = found
+            return found
+        return self._resolve(module, name, _seen)
+
+    def _resolve(self, module: Module, name: str, seen: set):
         key = (module.path, name)
         if key in seen:
             return None
@@ -362,7 +490,7 @@ class Project:
                 return ModuleRef(target) if target is not None else External(mod)
             target = self.find_module(module, mod, level)
             if target is not None:
-                found = self.resolve(target, attr, seen)
+                found = self._resolve(target, attr, seen)
                 if found is not None:
                     return found
                 sub = self.find_module(target, attr, 1) if os.path.basename(target.path) == "__init__.py" else None
@@ -377,7 +505,7 @@ class Project:
         for mod, level in module.stars:
             target = self.find_module(module, mod, level)
             if target is not None:
-                found = self.resolve(target, name, seen)
+                found = self._resolve(target, name, seen)
                 if found is not None:
                     return found
         return None
@@ -401,12 +529,15 @@ class Project:
     # -- classes ------------------------------------------------------------------------------------
     def bases(self, klass: Class) -> list:
         """The base classes of a class: project Classes and External names."""
-        out = []
-        for base in klass.node.bases:
-            sym = self.resolve_expr(klass.module, base)
-            if sym is not None:
-                out.append(sym)
-        return out
+        if klass.bases is None:
+            klass.bases = []          # a class that derives from itself through an alias ends here
+            out = []
+            for base in klass.node.bases:
+                sym = self.resolve_expr(klass.module, base)
+                if sym is not None:
+                    out.append(sym)
+            klass.bases = out
+        return klass.bases
 
     def resolve_expr(self, module: Module, expr):
         """A module-level dotted expression (``a.b.C``) to a symbol."""
@@ -425,6 +556,11 @@ class Project:
 
     def mro(self, klass: Class) -> list:
         """The class and its project base classes, depth first (cycles cut)."""
+        if klass.mro is None:
+            klass.mro = self._mro(klass)
+        return klass.mro
+
+    def _mro(self, klass: Class) -> list:
         out, todo, seen = [], [klass], set()
         while todo:
             k = todo.pop(0)
@@ -441,6 +577,7 @@ class Project:
 
     def subclasses(self, klass: Class) -> list:
         """Indexed classes that derive from ``klass`` (itself included)."""
+        self.importers(klass.module)
         if self._classes_by_base is None:
             # resolving a base may load a module (which resets the table): build it aside
             table: dict = {}
@@ -459,6 +596,17 @@ class Project:
             out.append(k)
             todo.extend(self._classes_by_base.get(k.uid, ()))
         return out
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    from synccheck.analyzer.source import decode_source
+    text, error = decode_source(path, data)
+    return text
 
 
 def _init_file(directory: str) -> Optional[str]:

@@ -12,7 +12,7 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.index import Function, Module, Project
+from synccheck.analyzer.project.index import Class, External, Function, GlobalRef, Module, Project
 from synccheck.analyzer.project.values import (Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values, Wrapper)
 
 # Calls whose names make a file worth a root: words a training loop must say.
@@ -22,6 +22,11 @@ SYNC_WORDS = ("no_sync", "require_backward_grad_sync", "set_requires_gradient_sy
 EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate", "set_requires_gradient_sync",
                          "no_backward_sync", "enter_context")) | vocab.GRAD_SYNC
 MAX_ROOT_WORK = 400_000
+# a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
+# sync control is where the schedule is)
+ROOT_WORDS = ("step", "zero_grad", "no_sync", "backward", "accumulate", "require_backward_grad_sync")
+WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "prepare",
+                        "prepare_model", "setup", "setup_module", "initialize"))
 
 
 class Program:
@@ -34,8 +39,8 @@ class Program:
         self._wrapping = None
         self._managed = None
         self._flows = None
-        self.mentions_no_sync = any("no_sync" in m.text for m in project.modules())
         self.incomplete: list = []      # roots whose analysis hit a budget
+        self._no_sync = None
 
     def close(self) -> None:
         """Let go of everything (see Project.close): flows point back at this program."""
@@ -47,6 +52,14 @@ class Program:
         self._stmt_words.clear()
         self.project.close()
 
+    @property
+    def mentions_no_sync(self) -> bool:
+        """Does the project turn sync off anywhere? (An opaque context may then hide a no_sync.)"""
+        if self._no_sync is None:
+            self._no_sync = any("no_sync" in m.text for m in self.project.modules()) or any(
+                text is not None and "no_sync" in text for _, text in self.project.catalog.values())
+        return self._no_sync
+
     # -- flows ---------------------------------------------------------------------------------------
     def flows(self) -> list:
         if self._flows is None:
@@ -57,7 +70,11 @@ class Program:
                 if work > MAX_ROOT_WORK:
                     self.incomplete.append(root)
                     continue
-                flow = Flow(self, root).run()
+                try:
+                    flow = Flow(self, root).run()
+                except RecursionError:
+                    self.incomplete.append(root)
+                    continue
                 work += flow.work
                 if flow.incomplete:
                     self.incomplete.append(root)
@@ -65,21 +82,33 @@ class Program:
         return self._flows
 
     def roots(self) -> list:
-        out = []
-        for module in self.project.modules():
-            for fn in module.functions.values():
-                if _has_loop(fn.node.body) and self._loop_reaches_backward(fn.node.body, fn):
-                    out.append(fn)
-            top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                       ast.ClassDef))]
-            if _has_loop(top) and self._loop_reaches_backward(top, module):
-                out.append(module)
-        return out
+        """Functions and script bodies of linted modules whose loop reaches a backward. Looking at one
+        may parse more of the project (a caller, a base class): those modules are looked at too."""
+        out, seen = [], set()
+        while True:
+            fresh = [m for m in self.project.modules() if m.path not in seen]
+            if not fresh:
+                return out
+            for module in fresh:
+                seen.add(module.path)
+                if not module.linted:
+                    continue
+                for fn in list(module.functions.values()):
+                    # words first: most functions with a loop say nothing a training loop says
+                    if _has_loop(fn.node.body) and any(w in module.segment(fn.node) for w in ROOT_WORDS) \
+                            and self._loop_reaches_backward(fn.node.body, fn):
+                        out.append(fn)
+                top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                           ast.ClassDef))]
+                if _has_loop(top) and self._loop_reaches_backward(top, module):
+                    out.append(module)
 
     def _loop_reaches_backward(self, body, scope) -> bool:
         for loop in _loops(body):
             words = self.words(loop.body, scope)
-            if "backward" in words and ("step" in words or words & set(SYNC_WORDS)):
+            steps = "step" in words or "zero_grad" in words or bool(words & set(SYNC_WORDS))
+            # the backward may be in a callable the loop holds as a value (MAE's ``loss_scaler(...)``)
+            if steps and ("backward" in words or "call" in words):
                 return True
         return False
 
@@ -94,6 +123,8 @@ class Program:
         return found
 
     def _words_of(self, stmts, scope) -> frozenset:
+        """Event words of a block, through the project functions it calls: syntax and the index only
+        (this decides what to analyse; the flows then resolve every call precisely)."""
         out = set()
         for stmt in stmts:
             for node in _walk_no_defs(stmt):
@@ -105,17 +136,49 @@ class Program:
                         if name == "step" and isinstance(func, ast.Attribute) and _receiver_is_scheduler(func.value):
                             continue
                         out.add(name)
-                    for fn in self.call_targets(node, scope):
-                        out |= self.fn_words(fn)
-                    if self.wrappers(self.values.expr(func, scope)):
-                        out.add("forward")
-                    elif _wraps(self.values.expr(node, scope)):
+                    elif name in WRAP_CALLS:
                         out.add("wrap")
+                    targets = self.syntactic_targets(node, scope)
+                    if targets is None:
+                        out.add("call")          # a callable held in a variable or attribute: a model?
+                    for fn in targets or ():
+                        out |= self.fn_words(fn)
                 elif t in (ast.Continue, ast.Break, ast.Return, ast.Raise):
                     out.add("exit")
                 elif t is ast.Attribute and isinstance(node.ctx, ast.Store) and node.attr == "require_backward_grad_sync":
                     out.add("require_backward_grad_sync")
         return frozenset(out)
+
+    def syntactic_targets(self, call: ast.Call, scope) -> Optional[list]:
+        """The project functions a call names, from syntax and the index alone: ``f()``, ``self.m()``,
+        ``module.f()``, ``Class()``. None when the callee is a value (a parameter, ``self.model``)."""
+        func = call.func
+        module = scope.module if isinstance(scope, Function) else scope
+        if isinstance(func, ast.Name):
+            if isinstance(scope, Function):
+                fn = scope
+                while fn is not None:
+                    if func.id in fn.nested:
+                        return [fn.nested[func.id]]
+                    if func.id in fn.params:
+                        return None
+                    fn = fn.parent
+            sym = self.project.resolve(module, func.id)
+            return _callables(self.project, sym)
+        if isinstance(func, ast.Attribute):
+            base = func.value
+            if isinstance(base, ast.Name) and isinstance(scope, Function) and scope.cls is not None and \
+                    scope.params and base.id == scope.params[0]:
+                found = self.project.attribute(scope.cls, func.attr)
+                if isinstance(found, Function):
+                    return [found]
+                return None                      # self.model(...): an attribute, maybe a wrapper
+            if isinstance(base, (ast.Name, ast.Attribute)):
+                sym = self.project.resolve_expr(module, base)
+                if sym is not None and not isinstance(sym, GlobalRef):
+                    return _callables(self.project, self.project.attribute(sym, func.attr))
+            return []
+        return []
 
     def fn_words(self, fn: Function) -> frozenset:
         found = self._words.get(fn.uid)
@@ -163,10 +226,11 @@ class Program:
         return self._words[key]
 
     def has_events(self, fn: Function) -> bool:
-        return bool(self.fn_words(fn))
+        """Worth analysing in place: it may run an event, or call a model held in a value."""
+        return bool(self.fn_words(fn) - {"exit", "wrap"})
 
     def relevant_branch(self, stmt, fr) -> bool:
-        return bool(self.words(stmt.body, fr.scope) | self.words(stmt.orelse, fr.scope))
+        return bool((self.words(stmt.body, fr.scope) | self.words(stmt.orelse, fr.scope)) - {"call"})
 
     def decides_step(self, stmt: ast.If, fr) -> bool:
         body, orelse = self.words(stmt.body, fr.scope), self.words(stmt.orelse, fr.scope)
@@ -200,9 +264,8 @@ class Program:
         if self._inferred is None:
             self._inferred = {}
             wrapped = self.wrapping()
-            callsites = self.values.callsites()
             for name, kind in (("no_sync", "ddp"), ("set_requires_gradient_sync", "fsdp2")):
-                for scope, call in callsites.get(name, ()):
+                for scope, call in self.values.callsites(name).get(name, ()):
                     if name == "no_sync" and call.args:
                         continue
                     if isinstance(call.func, ast.Attribute):
@@ -263,12 +326,21 @@ class Program:
         if self._managed is None:
             out = set()
             for name in vocab.LOCAL_SGD:
-                for scope, call in self.values.callsites().get(name, ()):
+                for scope, call in self.values.callsites(name).get(name, ()):
                     for v in self.values.expr(call, scope):
                         if isinstance(v, LocalSGD):
                             out |= self.wrappers(self.values.context_models(v))
             self._managed = frozenset(out)
         return self._managed
+
+
+def _callables(project, sym) -> list:
+    if isinstance(sym, Function):
+        return [sym]
+    if isinstance(sym, Class):
+        init = project.attribute(sym, "__init__")
+        return [init] if isinstance(init, Function) else []
+    return []
 
 
 def _wraps(vals) -> bool:

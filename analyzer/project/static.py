@@ -36,7 +36,8 @@ def no_sync_on_unwrapped(program) -> list:
     values = program.values
     out = []
     wrapping = program.wrapping()
-    for scope, call in values.callsites().get("no_sync", []) + values.callsites().get("no_backward_sync", []):
+    for scope, call in values.callsites("no_sync").get("no_sync", []) + \
+            values.callsites("no_backward_sync").get("no_backward_sync", []):
         module = values.module_of(scope)
         if not module.linted or not isinstance(call.func, ast.Attribute):
             continue
@@ -90,7 +91,7 @@ def accumulate_without_steps(program) -> list:
     values = program.values
     out = []
     configured = _configured_frameworks(program)
-    for scope, call in values.callsites().get("accumulate", []):
+    for scope, call in values.callsites("accumulate").get("accumulate", []):
         module = values.module_of(scope)
         if not module.linted or not isinstance(call.func, ast.Attribute):
             continue
@@ -131,6 +132,8 @@ class UnseededSampler(NamedTuple):
 
 def samplers_without_set_epoch(program) -> list:
     values = program.values
+    values.callsites("DistributedSampler")
+    values.callsites("set_epoch")
     callsites = values.callsites()
     names = {"DistributedSampler"}
     for module in program.project.modules():
@@ -218,8 +221,9 @@ class RankCollective(NamedTuple):
 def collectives_in_rank_branches(program) -> list:
     out = []
     checker = _RankChecker(program)
+    from synccheck.analyzer.rules.sc301 import CollectiveInRankBranch as rule
     for module in program.project.linted():
-        if not RANK_NAME.search(module.text):
+        if not (rule.wants(module.text) or rule.reaches(module.text)):
             continue
         scopes = [module] + list(module.functions.values())
         for scope in scopes:
@@ -302,7 +306,10 @@ class _RankChecker:
                 continue
             if side is None:
                 continue
-            for fn in self.program.call_targets(node, scope):
+            targets = self.program.syntactic_targets(node, scope)
+            if targets is None:
+                targets = self.program.call_targets(node, scope)
+            for fn in targets:
                 runs = self.runs(fn)
                 if runs:
                     found.append((node, sorted(runs)[0], side, test, True))
@@ -347,20 +354,22 @@ class _RankChecker:
                 if what:
                     out.add(what)
                 else:
-                    for callee in self.program.call_targets(node, fn):
+                    for callee in self.program.syntactic_targets(node, fn) or ():
                         if callee is not fn:
                             out |= self.runs(callee)
         self._runs[fn.uid] = out
         return out
 
-    def polarity(self, test, scope) -> Optional[str]:
+    def polarity(self, test, scope, depth: int = 0) -> Optional[str]:
         """"main" when the test holds on the main rank only, "other" when on every rank but it."""
+        if depth > 6:
+            return None
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            pol = self.polarity(test.operand, scope)
+            pol = self.polarity(test.operand, scope, depth + 1)
             return _flip(pol) if pol else None
         if isinstance(test, ast.BoolOp):
             if isinstance(test.op, ast.And):
-                pols = [self.polarity(v, scope) for v in test.values]
+                pols = [self.polarity(v, scope, depth + 1) for v in test.values]
                 found = [p for p in pols if p]
                 return found[0] if found and len(set(found)) == 1 else None
             return None
@@ -390,11 +399,11 @@ class _RankChecker:
             if isinstance(test, ast.Name) and isinstance(scope, Function):
                 for value, path in self.values.info(scope).assigns.get(test.id, ()):
                     if not path:
-                        return self.polarity(value, scope)
+                        return self.polarity(value, scope, depth + 1)
             if isinstance(test, ast.Name):
                 module = self.values.module_of(scope)
                 for value in module.globals.get(test.id, ()):
-                    return self.polarity(value, module)
+                    return self.polarity(value, module, depth + 1)
         return None
 
 
@@ -435,4 +444,4 @@ def _exits(stmts) -> bool:
 
 
 def _text(module, node) -> str:
-    return (ast.get_source_segment(module.text, node) or ast.unparse(node)).strip()
+    return (module.segment(node) or ast.unparse(node)).strip()

@@ -18,6 +18,7 @@ in which the analysis met it.
 from __future__ import annotations
 
 import ast
+import builtins
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -25,11 +26,12 @@ from synccheck.analyzer.project.index import (Class, External, Function, GlobalR
                                               qualified_name)
 from synccheck.analyzer.project.scopes import scope_info
 
-import builtins as _builtins
-
 MAX_VALUES = 24
-_BUILTINS = frozenset(dir(_builtins))
 MAX_CALLERS = 120
+MAX_DEPTH = 48            # values being computed at once (a chain of parameters, returns, attributes)
+MAX_WORK = 200_000        # values computed per project: past it, what is not known is unknown
+MAX_PARAM_DEPTH = 5       # parameters followed to their callers' arguments at once
+_BUILTINS = frozenset(dir(builtins))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -172,23 +174,27 @@ class Values:
 
     def __init__(self, project: Project) -> None:
         self.project = project
-        self._scopes: dict = {}       # scope uid -> ScopeInfo
         self._memo: dict = {}         # (kind, key) -> frozenset
+        self._plain: dict = {}        # caches that are not values (callers, attribute stores)
         self._busy: set = set()
         self._hits: set = set()
         self._provisional: dict = {}
+        self.spent = 0
+        self.exhausted = False
         self.sites: dict = {}         # site -> (call node, scope): what a wrapper wraps, an optimizer owns
-        self._callsites: Optional[dict] = None
+        self._callsites: dict = {}
+        self._indexed = -1
+        self._indexed_paths: set = set()
 
     def close(self) -> None:
-        for store in (self._scopes, self._memo, self._provisional, self.sites):
+        for store in (self._memo, self._plain, self._provisional, self.sites):
             store.clear()
-        self._callsites = None
+        self._callsites = {}
 
     # -- scopes --------------------------------------------------------------------------------------
-    def info(self, scope):
-        key = scope.uid if isinstance(scope, Function) else scope.path
-        found = self._scopes.get(key)
+    @staticmethod
+    def info(scope):
+        found = scope.info
         if found is None:
             if isinstance(scope, Function):
                 self_name = scope.params[0] if scope.is_method and scope.params else None
@@ -196,7 +202,7 @@ class Values:
                 scope.locals = found.locals
             else:
                 found = scope_info([s for s in scope.tree.body], [], None)
-            self._scopes[key] = found
+            scope.info = found
         return found
 
     @staticmethod
@@ -204,19 +210,29 @@ class Values:
         return scope.module if isinstance(scope, Function) else scope
 
     def _memoized(self, key, compute) -> frozenset:
-        """compute() once per key. A cycle (``model = model.to(dev)``, mutual recursion) is iterated
-        to a fixpoint at its head; results that leaned on a key still being computed further up are
-        provisional and computed again when next asked for."""
-        if key in self._memo:
-            return self._memo[key]
+        """compute() once per key, demand driven.
+
+        A cycle returns what is known so far to the inner request (``_local`` evaluates a name's
+        plain bindings before the ones that mention the name itself, so ``model = model.to(dev)`` and
+        ``a, b = accelerator.prepare(a, b)`` see the earlier bindings) and is iterated at its head. A
+        value computed inside a cycle is kept as it was then: it may miss what the rest of the cycle
+        adds, and is never computed twice, so the cost stays linear in what is asked.
+        """
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
         if key in self._busy:
             self._hits.add(key)
             return self._provisional.get(key, EMPTY)
+        if len(self._busy) > MAX_DEPTH or self.spent > MAX_WORK:
+            self.exhausted = self.exhausted or self.spent > MAX_WORK
+            return ONE_UNKNOWN
+        self.spent += 1
         self._busy.add(key)
         outer_hits, self._hits = self._hits, set()
         try:
             result = _cap(compute())
-            for _ in range(3):
+            for _ in range(2):
                 if key not in self._hits:
                     break
                 self._hits.discard(key)
@@ -225,17 +241,12 @@ class Values:
                 if again == result:
                     break
                 result = again
-            self._hits.discard(key)
-            provisional = bool(self._hits & self._busy)
         finally:
             self._busy.discard(key)
+            self._provisional.pop(key, None)
             hits, self._hits = self._hits, outer_hits
             self._hits |= hits - {key}
-        if provisional:
-            self._provisional[key] = result
-        else:
-            self._memo[key] = result
-            self._provisional.pop(key, None)
+        self._memo[key] = result
         return result
 
     # -- names ---------------------------------------------------------------------------------------
@@ -276,15 +287,21 @@ class Values:
 
     def _local(self, name: str, fn: Function, info) -> frozenset:
         out = set()
-        for value, path in info.assigns.get(name, ()):
+        key = ("local", fn.uid, name)
+        assigns = info.assigns.get(name, ())
+        # bindings that do not mention the name first: a cycle through the name then sees them
+        ordered = sorted(assigns, key=lambda a: _mentions(a[0], name))
+        if name in fn.params:
+            out |= self.parameter(fn, name)
+            self._provisional[key] = frozenset(out)
+        for value, path in ordered:
             out |= self.unpack(self.expr(value, fn), path, value, fn)
+            self._provisional[key] = frozenset(out)
         for target, call in info.inplace_wraps:
             if target == name:
                 out |= self.expr(call, fn)
         if name in fn.nested:
             out.add(Func(fn.nested[name]))
-        if name in fn.params:
-            out |= self.parameter(fn, name)
         for ctx_expr in info.with_as.get(name, ()):
             out |= self.entered(self.expr(ctx_expr, fn))
         if name in info.for_names:
@@ -317,6 +334,9 @@ class Values:
     def parameter(self, fn: Function, name: str) -> frozenset:
         return self._memoized(("param", fn.uid, name), lambda: self._parameter(fn, name))
 
+    def _param_depth(self) -> int:
+        return sum(1 for k in self._busy if k[0] == "param")
+
     def _parameter(self, fn: Function, name: str) -> frozenset:
         index = fn.params.index(name)
         node = fn.node
@@ -331,7 +351,8 @@ class Values:
         default = _default(node, name)
         if default is not None:
             out |= self.expr(default, fn)
-        callers = self.callers(fn)
+        # callers of callers of ...: past a few levels a parameter is what its default says
+        callers = self.callers(fn) if self._param_depth() <= MAX_PARAM_DEPTH else []
         for scope, call, shift in callers:
             arg = _argument(call, fn, name, index, shift)
             if arg is not None:
@@ -352,18 +373,18 @@ class Values:
                     return frozenset((Wrapper(kind, site_of(fn.module, arg)),))
         return EMPTY
 
-    def callsites(self) -> dict:
-        """Every call in every indexed module, by the name it calls (``train`` / ``.train``)."""
-        if self._callsites is None:
-            self._callsites = {}
+    def callsites(self, name: Optional[str] = None) -> dict:
+        """Calls in the parsed modules, by the name they call (``train`` / ``.train``): (scope, call).
+        With a name, the catalogued files that mention it are parsed first (the callers of
+        ``train_one_epoch`` are in the files that say ``train_one_epoch``)."""
+        if name is not None:
+            self.project.load_matching(name)
+        if self._indexed != self.project.version:
             for module in self.project.modules():
-                for scope in [module] + list(module.functions.values()):
-                    for call in self.info(scope).calls:
-                        func = call.func
-                        key = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(
-                            func, ast.Name) else None
-                        if key:
-                            self._callsites.setdefault(key, []).append((scope, call))
+                if module.path not in self._indexed_paths:
+                    self._indexed_paths.add(module.path)
+                    _index_calls(module, self._callsites)
+            self._indexed = self.project.version
         return self._callsites
 
     def callers(self, fn: Function) -> list:
@@ -372,15 +393,17 @@ class Values:
         return list(self._memo_callers(fn))
 
     def _memo_callers(self, fn: Function) -> tuple:
-        key = ("callers", fn.uid)
-        if key in self._memo:
-            return self._memo[key]
-        self._memo[key] = ()
+        key = ("callers", fn.uid, self.project.version)
+        if key in self._plain:
+            return self._plain[key]
+        self._plain[key] = ()
         names = [fn.node.name]
         if fn.cls is not None and fn.node.name == "__init__":
             # ``Sub(...)`` runs Base.__init__ when Sub does not define its own
             names = [k.node.name for k in self.project.subclasses(fn.cls)
                      if self.project.attribute(k, "__init__") is fn]
+        # the callers are in its own module and in the modules that import it
+        self.project.importers(fn.module)
         candidates = [c for n in names for c in self.callsites().get(n, ())]
         if fn.cls is not None and fn.node.name == "__call__":
             candidates = []        # called through an instance under any name: no parameter values from calls
@@ -392,8 +415,8 @@ class Values:
                     if shift is not None:
                         out.append((scope, call, shift))
                         break
-        self._memo[key] = tuple(out)
-        return self._memo[key]
+        self._plain[key] = tuple(out)
+        return self._plain[key]
 
     def _binds(self, v, fn: Function) -> Optional[int]:
         if isinstance(v, Func) and v.fn is fn:
@@ -482,12 +505,8 @@ class Values:
         for klass in self.project.mro(inst.cls):
             if attr in klass.methods:
                 return frozenset((Bound(klass.methods[attr], inst),))
-            for method in klass.methods.values():
-                for value, path in self.info(method).self_attrs.get(attr, ()):
-                    out |= self.unpack(self.expr(value, method), path, value, method)
-            for stmt in klass.node.body:          # class-level attributes
-                if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == attr for t in stmt.targets):
-                    out |= self.expr(stmt.value, klass.module)
+            for scope, value, path in _class_attrs(self, klass).get(attr, ()):
+                out |= self.unpack(self.expr(value, scope), path, value, scope)
         # stores from outside: ``trainer.model = DDP(...)``
         for scope, receiver, value, path in self._outside_stores(attr):
             if inst in self.expr(receiver, scope):
@@ -495,15 +514,21 @@ class Values:
         return frozenset(out) or ONE_UNKNOWN
 
     def _outside_stores(self, attr: str) -> list:
-        key = ("stores",)
-        if key not in self._memo:
-            stores: dict = {}
-            for module in self.project.modules():
-                for scope in [module] + list(module.functions.values()):
-                    for receiver, a, value, path in self.info(scope).obj_attrs:
-                        stores.setdefault(a, []).append((scope, receiver, value, path))
-            self._memo[key] = stores
-        return self._memo[key].get(attr, [])
+        """``obj.attr = value`` outside the class's own methods, in the parsed modules."""
+        stores = self._plain.setdefault(("stores",), {})
+        done = self._plain.setdefault(("stores-done",), set())
+        for module in self.project.modules():
+            if module.path in done:
+                continue
+            done.add(module.path)
+            if ("." + attr) not in module.text and True:
+                pass
+            for scope in [module] + list(module.functions.values()):
+                if isinstance(scope, Function) and " = " not in module.segment(scope.node):
+                    continue
+                for receiver, a, value, path in self.info(scope).obj_attrs:
+                    stores.setdefault(a, []).append((scope, receiver, value, path))
+        return stores.get(attr, [])
 
     def loader_samplers(self, loader: Loader) -> frozenset:
         call, scope = self.sites.get(loader.site, (None, None))
@@ -732,6 +757,48 @@ class Values:
 # ---------------------------------------------------------------------------------------------------
 # helpers
 
+def _index_calls(module: Module, table: dict) -> None:
+    """Every call of a module under the name it calls, with the scope (function or module) it is in:
+    one walk of the tree, without building what each scope binds."""
+    scopes = {}
+    for fn in module.functions.values():
+        scopes[id(fn.node)] = fn
+    stack = [(module.tree, module)]
+    while stack:
+        node, scope = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                stack.append((child, scopes.get(id(child), scope)))
+                continue
+            if isinstance(child, ast.Call):
+                func = child.func
+                key = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+                if key:
+                    table.setdefault(key, []).append((scope, child))
+            stack.append((child, scope))
+
+
+def _mentions(node, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _class_attrs(values: "Values", klass: Class) -> dict:
+    """attr -> [(scope, value, unpack path)] for ``self.attr = value`` in the class's methods and
+    ``attr = value`` in its body, indexed once per class."""
+    if klass.attrs is None:
+        table: dict = {}
+        for method in klass.methods.values():
+            for attr, items in values.info(method).self_attrs.items():
+                table.setdefault(attr, []).extend((method, value, path) for value, path in items)
+        for stmt in klass.node.body:
+            if isinstance(stmt, ast.Assign):
+                for t in stmt.targets:
+                    if isinstance(t, ast.Name):
+                        table.setdefault(t.id, []).append((klass.module, stmt.value, ()))
+        klass.attrs = table
+    return klass.attrs
+
+
 def _symbol_of(v):
     if isinstance(v, Mod):
         return ModuleRef(v.module)
@@ -820,7 +887,7 @@ def _named(node, words: tuple) -> bool:
 
 
 def _text(module: Module, node) -> str:
-    return ast.get_source_segment(module.text, node) or ""
+    return module.segment(node)
 
 
 def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:

@@ -45,6 +45,12 @@ class Rule:
     def wants(cls, text: str) -> bool:
         return all(w in text for w in cls.requires) and (not cls.words or any(w in text for w in cls.words))
 
+    @classmethod
+    def reaches(cls, text: str) -> bool:
+        """A file this rule's words are not all in, but whose finding may need another file of the
+        project (a rank branch calling an imported helper): parsed with the files it imports."""
+        return False
+
     # Words that make a function worth parsing for this rule (its callers and callees come along):
     # ``anchors`` anywhere in the function, ``loop_anchors`` only inside a loop (or a function a loop
     # calls). An accumulation rule needs a loop that runs backward; a function that runs backward

@@ -119,6 +119,39 @@ def _rank_branch_calls(text: str) -> bool:
     """Some ``if`` on the rank has, in its indented block (or its ``else``), a collective or a call of a
     function of this file that runs one: cheap text, so files without one are never parsed."""
     runs = None
+    for body in _rank_blocks(text):
+        if COLLECTIVE_CALL.search(body):
+            return True
+        if runs is None:
+            runs = _CollectiveFunctions(text)
+        if runs.any_runs(set(CALLED.findall(body))):
+            return True
+    return False
+
+
+_FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([^)\n]*)", re.M)
+# modules that are never this project's own: a rank branch calling into them cannot hide a collective
+# of the project (torch's own collectives are found by their names anyway)
+_EXTERNAL = ("torch", "numpy", "os", "sys", "time", "math", "json", "logging", "random", "typing", "collections",
+             "functools", "itertools", "pathlib", "shutil", "re", "copy", "argparse", "datetime", "warnings",
+             "transformers", "accelerate", "tqdm", "wandb", "PIL", "matplotlib", "pandas", "yaml", "omegaconf")
+
+
+def _rank_branch_calls_imported(text: str) -> bool:
+    """Some rank branch calls a function imported from a module of the project, which may run a
+    collective in its own file: the file is worth a parse with its imports."""
+    imported = set()
+    for dots, module, names in _FROM_IMPORT.findall(text):
+        if not dots and module.split(".")[0] in _EXTERNAL:
+            continue
+        imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
+    if not imported:
+        return False
+    return any(imported.intersection(CALLED.findall(body)) for body in _rank_blocks(text))
+
+
+def _rank_blocks(text: str):
+    """The indented block (and else) of every ``if`` line that tests a rank."""
     for pos, indent in _rank_if_lines(text):
         block = []
         while pos < len(text):
@@ -130,14 +163,7 @@ def _rank_branch_calls(text: str) -> bool:
                 break
             block.append(line)
             pos = end
-        body = "\n".join(block)
-        if COLLECTIVE_CALL.search(body):
-            return True
-        if runs is None:
-            runs = _CollectiveFunctions(text)
-        if runs.any_runs(set(CALLED.findall(body))):
-            return True
-    return False
+        yield "\n".join(block)
 
 
 class CollectiveInRankBranch(Rule):
@@ -160,6 +186,11 @@ class CollectiveInRankBranch(Rule):
                 and _has_collective(text)):
             return False
         return _rank_branch_calls(text)
+
+    @classmethod
+    def reaches(cls, text: str) -> bool:
+        return any(w in text for w in RANK_WORDS) and _rank_branch_calls_imported(text)
+
     what = """
         Finds a collective (`dist.barrier()`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
         `gather`, `accelerator.wait_for_everyone()`, ...) that runs only inside an `if rank == 0:`
