@@ -61,7 +61,17 @@ def module_paths(path: str, level: int, name: str, roots: list) -> list:
     return out
 
 
+_package_roots_cache: dict = {}
+
+
 def _package_roots(directory: str) -> list:
+    found = _package_roots_cache.get(directory)
+    if found is None:
+        found = _package_roots_cache[directory] = _find_package_roots(directory)
+    return found
+
+
+def _find_package_roots(directory: str) -> list:
     roots = []
     d = directory
     while os.path.isfile(os.path.join(d, "__init__.py")):

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Iterable, Optional
+
+from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
 
 # Modules loaded only to resolve imports (not linted): at most this many, each at most this big.
 MAX_CONTEXT_MODULES = 400
+_INSTALLED = re.compile(r"[/\\\\](?:site|dist)-packages[/\\\\]")
 MAX_CONTEXT_BYTES = 2_000_000
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -260,7 +264,10 @@ class Project:
         self.filesystem = filesystem     # False: resolve only among the modules added (one text alone)
         self.by_path: dict = {}
         self.by_name: dict = {}          # dotted name -> [Module]
-        self.roots = [os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in roots]
+        # folders an absolute import may start from, beyond each file's own folder and package root
+        # (see imports.module_paths): a folder inside a package adds nothing its package root does not
+        dirs = dict.fromkeys(os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in roots)
+        self.roots = [d for d in dirs if not os.path.isfile(os.path.join(d, "__init__.py"))] or list(dirs)[:1]
         self._find_cache: dict = {}
         self._resolved: dict = {}
         self.context_loaded = 0
@@ -271,6 +278,8 @@ class Project:
         self.catalog: dict = {}
         self._catalog_imports: dict = {}
         self._importers_done: set = set()
+        self._importer_index: Optional[tuple] = None
+        self.truncated: set = set()      # importers() queries that matched too many files to parse
         self._searched: set = set()
         self.version = 0                 # bumped at every module added: indexes over modules refresh
 
@@ -283,10 +292,12 @@ class Project:
             if imports is not None:
                 self._catalog_imports[apath] = imports
 
-    def importers(self, module: Module) -> list:
-        """Parse the catalogued files that import ``module`` (or a package that imports it): where its
-        callers and subclasses can be. A file that does not import a module cannot call into it."""
-        key = module.path
+    def importers(self, module: Module, words: tuple = ()) -> list:
+        """Parse the catalogued files that import ``module`` (or its package, which may re-export it)
+        and, when ``words`` are given, mention one of them: where the callers of a function named so,
+        or the subclasses of a class named so, can be. A file that does not import a module cannot
+        call into it; one that never writes a function's name cannot call it by that name."""
+        key = (module.path, words)
         if key in self._importers_done:
             return []
         self._importers_done.add(key)
@@ -295,22 +306,62 @@ class Project:
         from synccheck.analyzer.imports import module_paths
         targets = {os.path.abspath(module.path)}
         if not module.path.endswith("__init__.py"):
-            # ``from pkg import f`` reaches f in pkg/__init__.py's re-export; count the package too
             init = os.path.join(os.path.dirname(os.path.abspath(module.path)), "__init__.py")
             if os.path.exists(init):
                 targets.add(init)
+        if self._importer_index is None:
+            self._importer_index = self._index_importers()
+        by_name, by_path = self._importer_index
+        candidates = {a for t in targets for a in by_path.get(t, ())}
+        for t in targets:
+            # ``import a.b.c`` may name t from any folder above it: look the dotted names up
+            stem = t[:-len("/__init__.py")] if t.endswith("/__init__.py") else t[:-3]
+            parts = stem.split(os.sep)
+            for i in range(max(1, len(parts) - 12), len(parts)):
+                for a in by_name.get(".".join(parts[i:]), ()):
+                    if a not in candidates and t in module_paths(a, 0, ".".join(parts[i:]), self.roots):
+                        candidates.add(a)
+        chosen = []
+        for apath in [a for a in self._catalog_imports if a in candidates and a in self.catalog]:
+            if words:
+                path, text = self.catalog[apath]
+                if text is None:
+                    text = _read_text(apath)
+                    if text is None:
+                        del self.catalog[apath]
+                        continue
+                    self.catalog[apath] = (path, text)
+                if not any(w in text for w in words):
+                    continue
+            chosen.append(apath)
+        if words and len(chosen) > MAX_IMPORTERS:
+            # a name used all over a code base (a library's base class, ``forward``) is not the
+            # model's path into a training loop: parsing every user of it would cost more than the
+            # analysis it feeds
+            self.truncated.add(key)
+            return []
         out = []
-        for apath, imports in list(self._catalog_imports.items()):
-            if apath not in self.catalog:
-                continue
-            roots = self.roots
-            for level, name in imports:
-                if any(c in targets for c in module_paths(apath, level, name, roots)):
-                    found = self._from_catalog(apath)
-                    if found is not None:
-                        out.append(found)
-                    break
+        for apath in chosen:
+            found = self._from_catalog(apath)
+            if found is not None:
+                out.append(found)
         return out
+
+    def _index_importers(self) -> tuple:
+        """The catalogued files by the dotted names they import (absolute imports) and by the files
+        their relative imports may load: built once, so asking for the importers of many modules costs
+        one pass over the import lines, not one per module."""
+        from synccheck.analyzer.imports import module_paths
+        by_name: dict = {}
+        by_path: dict = {}
+        for apath, imports in self._catalog_imports.items():
+            for level, name in imports:
+                if level == 0:
+                    by_name.setdefault(name, set()).add(apath)
+                else:
+                    for c in module_paths(apath, level, name, self.roots):
+                        by_path.setdefault(c, set()).add(apath)
+        return by_name, by_path
 
     def load_matching(self, word: str) -> list:
         """Parse the catalogued files whose text holds ``word`` (a callee's or a class's name)."""
@@ -389,8 +440,8 @@ class Project:
             return self._from_catalog(apath)
         if not self.filesystem:
             return None
-        if self.context_loaded >= MAX_CONTEXT_MODULES:
-            return None
+        if self.context_loaded >= MAX_CONTEXT_MODULES or _INSTALLED.search(apath):
+            return None     # an installed third-party package is not the project: not read as context
         self.context_loaded += 1
         try:
             if os.path.getsize(apath) > MAX_CONTEXT_BYTES:
@@ -417,7 +468,7 @@ class Project:
             for _ in range(level - 1):
                 here = os.path.dirname(here)
             return self._find_file(here, name.split(".") if name else [])
-        if not name:
+        if not name or name.partition(".")[0] in FRAMEWORK_PACKAGES:
             return None
         key = (importer.path, name)
         if key in self._find_cache:
@@ -577,7 +628,7 @@ class Project:
 
     def subclasses(self, klass: Class) -> list:
         """Indexed classes that derive from ``klass`` (itself included)."""
-        self.importers(klass.module)
+        self.importers(klass.module, (klass.node.name,))
         if self._classes_by_base is None:
             # resolving a base may load a module (which resets the table): build it aside
             table: dict = {}
@@ -628,6 +679,9 @@ def module_name(path: str) -> tuple:
     package = ".".join(parts[:-1]) if stem != "__init__" else ".".join(parts)
     return name, package
 
+
+# at most this many files are parsed to find the callers or subclasses of one name
+MAX_IMPORTERS = 32
 
 _ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 _root_cache: dict = {}

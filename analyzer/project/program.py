@@ -95,8 +95,9 @@ class Program:
                     continue
                 for fn in list(module.functions.values()):
                     # words first: most functions with a loop say nothing a training loop says
-                    if _has_loop(fn.node.body) and any(w in module.segment(fn.node) for w in ROOT_WORDS) \
-                            and self._loop_reaches_backward(fn.node.body, fn):
+                    segment = module.segment(fn.node)
+                    if ("for " in segment or "while " in segment) and any(w in segment for w in ROOT_WORDS) \
+                            and _has_loop(fn.node.body) and self._loop_reaches_backward(fn.node.body, fn):
                         out.append(fn)
                 top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                            ast.ClassDef))]
@@ -265,7 +266,7 @@ class Program:
             self._inferred = {}
             wrapped = self.wrapping()
             for name, kind in (("no_sync", "ddp"), ("set_requires_gradient_sync", "fsdp2")):
-                for scope, call in self.values.callsites(name).get(name, ()):
+                for scope, call in self.values.calls(name, load=True):
                     if name == "no_sync" and call.args:
                         continue
                     if isinstance(call.func, ast.Attribute):
@@ -295,9 +296,8 @@ class Program:
                 for local, (mod, attr, _) in module.imports.items():
                     if attr in ("DistributedDataParallel", "FullyShardedDataParallel"):
                         names.add(local)
-            callsites = self.values.callsites()
             for name in names:
-                for scope, call in callsites.get(name, ()):
+                for scope, call in self.values.calls(name):
                     for v in self.values.expr(call, scope):
                         for w in _wrappers_in(v):
                             for inner in self.values.wrapped_by(w):
@@ -326,7 +326,7 @@ class Program:
         if self._managed is None:
             out = set()
             for name in vocab.LOCAL_SGD:
-                for scope, call in self.values.callsites(name).get(name, ()):
+                for scope, call in self.values.calls(name, load=True):
                     for v in self.values.expr(call, scope):
                         if isinstance(v, LocalSGD):
                             out |= self.wrappers(self.values.context_models(v))

@@ -36,8 +36,7 @@ def no_sync_on_unwrapped(program) -> list:
     values = program.values
     out = []
     wrapping = program.wrapping()
-    for scope, call in values.callsites("no_sync").get("no_sync", []) + \
-            values.callsites("no_backward_sync").get("no_backward_sync", []):
+    for scope, call in values.calls("no_sync", load=True) + values.calls("no_backward_sync", load=True):
         module = values.module_of(scope)
         if not module.linted or not isinstance(call.func, ast.Attribute):
             continue
@@ -91,7 +90,8 @@ def accumulate_without_steps(program) -> list:
     values = program.values
     out = []
     configured = _configured_frameworks(program)
-    for scope, call in values.callsites("accumulate").get("accumulate", []):
+    # the files SC105 wants (they say accumulate and Accelerator) are parsed already: no search
+    for scope, call in values.calls("accumulate"):
         module = values.module_of(scope)
         if not module.linted or not isinstance(call.func, ast.Attribute):
             continue
@@ -110,14 +110,13 @@ def _configured_frameworks(program) -> set:
     out = set()
     values = program.values
     for module in program.project.modules():
+        if "gradient_accumulation_" not in module.text:
+            continue
         for scope in [module] + list(module.functions.values()):
             info = values.info(scope)
             for receiver, attr, _, _ in info.obj_attrs:
                 if attr in ("gradient_accumulation_steps", "gradient_accumulation_plugin"):
                     out |= {v for v in values.expr(receiver, scope) if isinstance(v, Framework)}
-            for attr in ("gradient_accumulation_steps",):
-                if attr in info.self_attrs and "accelerat" in module.text:
-                    pass
     return out
 
 
@@ -132,9 +131,8 @@ class UnseededSampler(NamedTuple):
 
 def samplers_without_set_epoch(program) -> list:
     values = program.values
-    values.callsites("DistributedSampler")
-    values.callsites("set_epoch")
-    callsites = values.callsites()
+    values.project.load_matching("DistributedSampler")
+    values.project.load_matching("set_epoch")
     names = {"DistributedSampler"}
     for module in program.project.modules():
         for local, (mod, attr, _) in module.imports.items():
@@ -142,7 +140,7 @@ def samplers_without_set_epoch(program) -> list:
                 names.add(local)
     made = []
     for name in names:
-        for scope, call in callsites.get(name, []):
+        for scope, call in values.calls(name):
             module = values.module_of(scope)
             for v in values.expr(call, scope):
                 if isinstance(v, Sampler) and not v.shuffle_off:
@@ -150,7 +148,7 @@ def samplers_without_set_epoch(program) -> list:
     if not made:
         return []
     seeded, unknown = set(), False
-    for scope, call in callsites.get("set_epoch", []):
+    for scope, call in values.calls("set_epoch"):
         if not isinstance(call.func, ast.Attribute):
             continue
         receiver = values.expr(call.func.value, scope)
@@ -176,7 +174,7 @@ def _prepared_loaders(program) -> set:
     """Samplers whose loader goes through ``accelerator.prepare`` (which seeds its own sampler)."""
     values = program.values
     out = set()
-    for scope, call in values.callsites().get("prepare", []):
+    for scope, call in values.calls("prepare"):
         if not isinstance(call.func, ast.Attribute):
             continue
         if not any(isinstance(v, Framework) for v in values.expr(call.func.value, scope)):

@@ -18,6 +18,7 @@ in which the analysis met it.
 from __future__ import annotations
 
 import ast
+import re
 import builtins
 from typing import NamedTuple, Optional
 
@@ -183,7 +184,7 @@ class Values:
         self.exhausted = False
         self.sites: dict = {}         # site -> (call node, scope): what a wrapper wraps, an optimizer owns
         self._callsites: dict = {}
-        self._indexed = -1
+        self._calls_checked: dict = {}    # name -> how many modules were looked at for it
         self._indexed_paths: set = set()
 
     def close(self) -> None:
@@ -373,19 +374,22 @@ class Values:
                     return frozenset((Wrapper(kind, site_of(fn.module, arg)),))
         return EMPTY
 
-    def callsites(self, name: Optional[str] = None) -> dict:
-        """Calls in the parsed modules, by the name they call (``train`` / ``.train``): (scope, call).
-        With a name, the catalogued files that mention it are parsed first (the callers of
+    def calls(self, name: str, load: bool = False) -> list:
+        """(scope, call) for the calls in the parsed modules that call ``name`` (``train(...)`` or
+        ``x.train(...)``). A module is indexed the first time a name it mentions is asked for. With
+        ``load``, the catalogued files that mention the name are parsed first (the callers of
         ``train_one_epoch`` are in the files that say ``train_one_epoch``)."""
-        if name is not None:
+        if load:
             self.project.load_matching(name)
-        if self._indexed != self.project.version:
-            for module in self.project.modules():
-                if module.path not in self._indexed_paths:
+        modules = self.project.modules()
+        start = self._calls_checked.get(name, 0)
+        if start < len(modules):
+            for module in modules[start:]:
+                if module.path not in self._indexed_paths and name in module.text:
                     self._indexed_paths.add(module.path)
                     _index_calls(module, self._callsites)
-            self._indexed = self.project.version
-        return self._callsites
+            self._calls_checked[name] = len(modules)
+        return self._callsites.get(name, [])
 
     def callers(self, fn: Function) -> list:
         """(scope, call, shift) for every call site that may call ``fn``; shift: arguments the call does
@@ -403,8 +407,8 @@ class Values:
             names = [k.node.name for k in self.project.subclasses(fn.cls)
                      if self.project.attribute(k, "__init__") is fn]
         # the callers are in its own module and in the modules that import it
-        self.project.importers(fn.module)
-        candidates = [c for n in names for c in self.callsites().get(n, ())]
+        self.project.importers(fn.module, tuple(names))
+        candidates = [c for n in names for c in self.calls(n)]
         if fn.cls is not None and fn.node.name == "__call__":
             candidates = []        # called through an instance under any name: no parameter values from calls
         out = []
@@ -521,10 +525,10 @@ class Values:
             if module.path in done:
                 continue
             done.add(module.path)
-            if ("." + attr) not in module.text and True:
-                pass
+            if not _OUTSIDE_STORE.search(module.text):
+                continue
             for scope in [module] + list(module.functions.values()):
-                if isinstance(scope, Function) and " = " not in module.segment(scope.node):
+                if isinstance(scope, Function) and not _OUTSIDE_STORE.search(module.segment(scope.node)):
                     continue
                 for receiver, a, value, path in self.info(scope).obj_attrs:
                     stores.setdefault(a, []).append((scope, receiver, value, path))
@@ -756,6 +760,10 @@ class Values:
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
+
+# ``obj.attr = value`` (or ``a.b.attr = value``) where obj is not ``self``: a store from outside a class
+_OUTSIDE_STORE = re.compile(r"(?<![\w.])(?!self\.\w+[ \t]*=)[A-Za-z_]\w*(?:\.\w+)+[ \t]*(?:=(?!=)|,)")
+
 
 def _index_calls(module: Module, table: dict) -> None:
     """Every call of a module under the name it calls, with the scope (function or module) it is in:

@@ -83,6 +83,13 @@ SELF_RETURNING = frozenset(("to", "cuda", "cpu", "float", "half", "bfloat16", "d
 TENSOR_PASSTHROUGH = frozenset(("mean", "sum", "float", "double", "half", "to", "squeeze", "clone", "contiguous",
                                 "view", "reshape", "cuda", "unsqueeze", "bfloat16", "abs", "nan_to_num", "type_as"))
 # The words a function must contain (itself or through what it calls) to matter to the sync analysis.
+# Packages whose names the vocabulary knows by their qualified names: an import from them is taken
+# as what its name says (torch.distributed.barrier is a collective), never read from the disk, even
+# when their sources are being linted (torch's own package) or sit beside the script.
+FRAMEWORK_PACKAGES = frozenset(("torch", "accelerate", "lightning", "pytorch_lightning", "lightning_fabric",
+                                "deepspeed", "transformers", "numpy", "torchvision", "torchaudio", "apex",
+                                "fairscale", "timm", "synccheck"))
+
 EVENT_WORDS = ("backward", "step", "zero_grad", "no_sync", "accumulate", "require_backward_grad_sync",
                "set_requires_gradient_sync", "no_backward_sync", "enter_context", "all_reduce")
 
