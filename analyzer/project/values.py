@@ -18,6 +18,7 @@ in which the analysis met it.
 from __future__ import annotations
 
 import ast
+import bisect
 import re
 import builtins
 from typing import NamedTuple, Optional
@@ -183,14 +184,13 @@ class Values:
         self.spent = 0
         self.exhausted = False
         self.sites: dict = {}         # site -> (call node, scope): what a wrapper wraps, an optimizer owns
-        self._callsites: dict = {}
+        self._calls: dict = {}            # name -> [(scope, call)]
         self._calls_checked: dict = {}    # name -> how many modules were looked at for it
-        self._indexed_paths: set = set()
 
     def close(self) -> None:
         for store in (self._memo, self._plain, self._provisional, self.sites):
             store.clear()
-        self._callsites = {}
+        self._calls = {}
 
     # -- scopes --------------------------------------------------------------------------------------
     @staticmethod
@@ -376,20 +376,21 @@ class Values:
 
     def calls(self, name: str, load: bool = False) -> list:
         """(scope, call) for the calls in the parsed modules that call ``name`` (``train(...)`` or
-        ``x.train(...)``). A module is indexed the first time a name it mentions is asked for. With
-        ``load``, the catalogued files that mention the name are parsed first (the callers of
+        ``x.train(...)``), found by descending only into the statements whose lines say ``name``.
+        With ``load``, the catalogued files that mention the name are parsed first (the callers of
         ``train_one_epoch`` are in the files that say ``train_one_epoch``)."""
         if load:
             self.project.load_matching(name)
         modules = self.project.modules()
+        found = self._calls.setdefault(name, [])
         start = self._calls_checked.get(name, 0)
         if start < len(modules):
             for module in modules[start:]:
-                if module.path not in self._indexed_paths and name in module.text:
-                    self._indexed_paths.add(module.path)
-                    _index_calls(module, self._callsites)
+                lines = _call_lines(module).get(name)
+                if lines:
+                    found.extend(_calls_named(module, name, lines))
             self._calls_checked[name] = len(modules)
-        return self._callsites.get(name, [])
+        return found
 
     def callers(self, fn: Function) -> list:
         """(scope, call, shift) for every call site that may call ``fn``; shift: arguments the call does
@@ -765,25 +766,63 @@ class Values:
 _OUTSIDE_STORE = re.compile(r"(?<![\w.])(?!self\.\w+[ \t]*=)[A-Za-z_]\w*(?:\.\w+)+[ \t]*(?:=(?!=)|,)")
 
 
-def _index_calls(module: Module, table: dict) -> None:
-    """Every call of a module under the name it calls, with the scope (function or module) it is in:
-    one walk of the tree, without building what each scope binds."""
-    scopes = {}
-    for fn in module.functions.values():
-        scopes[id(fn.node)] = fn
+def _calls_named(module: Module, name: str, lines: list) -> list:
+    """The calls of ``name`` in a module, with the scope (function or module) each is in: a walk that
+    enters only the nodes that span one of ``lines`` (where the text says ``name(``), so a big
+    module costs what its matches cost."""
+    scopes = {id(fn.node): fn for fn in module.functions.values()}
+    out = []
     stack = [(module.tree, module)]
     while stack:
         node, scope = stack.pop()
         for child in ast.iter_child_nodes(node):
+            first = getattr(child, "lineno", None)
+            if first is not None:
+                decorators = getattr(child, "decorator_list", None)
+                if decorators:
+                    first = min(first, min(d.lineno for d in decorators))
+                i = bisect.bisect_left(lines, first)
+                if i == len(lines) or lines[i] > child.end_lineno:
+                    continue
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 stack.append((child, scopes.get(id(child), scope)))
                 continue
             if isinstance(child, ast.Call):
                 func = child.func
                 key = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-                if key:
-                    table.setdefault(key, []).append((scope, child))
+                if key == name:
+                    out.append((scope, child))
             stack.append((child, scope))
+    out.reverse()
+    return out
+
+
+_CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def _call_lines(module: Module) -> dict:
+    """name -> sorted line numbers where the module's text says ``name(``: one scan of the text."""
+    table = getattr(module, "_call_lines", None)
+    if table is None:
+        text = module.text
+        starts = [0]
+        find = text.find
+        i = find("\n")
+        while i != -1:
+            starts.append(i + 1)
+            i = find("\n", i + 1)
+        table = {}
+        line, nxt = 1, (starts[1] if len(starts) > 1 else len(text) + 1)
+        for m in _CALL_WORD.finditer(text):
+            at = m.start()
+            if at >= nxt:
+                line = bisect.bisect_right(starts, at)
+                nxt = starts[line] if line < len(starts) else len(text) + 1
+            bucket = table.setdefault(m.group(1), [])
+            if not bucket or bucket[-1] != line:
+                bucket.append(line)
+        module._call_lines = table
+    return table
 
 
 def _mentions(node, name: str) -> bool:
