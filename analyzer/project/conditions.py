@@ -117,6 +117,7 @@ class Conditions:
 
     def literal(self, node, st, fr) -> tuple:
         polarity = True
+        written = node
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotEq):
             node = ast.Compare(node.left, [ast.Eq()], node.comparators)
             polarity = False
@@ -140,6 +141,8 @@ class Conditions:
                 atom = self.atoms.get((dump, versions), text)
             if atom is None:
                 return BOTH
+            if not polarity and atom.negated is None:
+                atom.negated = _text(fr, written)       # `i % n != 0`, as the code says it
             if atom.counter is None and mod is not None:
                 atom.counter = self.flow.counter_loop(mod[0], fr)
             self.flow.note_atom(atom, versions, volatile(node) or fr.depth > 0)

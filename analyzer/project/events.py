@@ -230,6 +230,8 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         callee = callee_val.values
         if len(callee_val.alts) > 1 and flow.program.wrappers(callee):
             return _forward_by_alts(flow, node, callee_val, args, kws, st, fr)
+        if len(callee_val.alts) > 1 and any(isinstance(v, FlowFactory) for v in callee):
+            return _factory_by_alts(flow, node, callee_val, recv, args, kws, st, fr)
     wrappers = flow.program.wrappers(callee)
     if wrappers:
         return forward(flow, node, wrappers, args, kws, st, fr)
@@ -279,6 +281,31 @@ def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:
     joined = flow.join(parts)
     st.props = joined.props if joined is not None else {}
     return result or _val(ONE_UNKNOWN, _prov(*args, *kws.values()), False)
+
+
+def _literal_default(node, name: str):
+    """The default of parameter ``name`` when it is a literal (True, 0, None, "x"), else None."""
+    a = node.args
+    positional = a.posonlyargs + a.args
+    defaults = dict(zip([p.arg for p in positional[len(positional) - len(a.defaults):]], a.defaults))
+    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
+    value = defaults.get(name)
+    return value if isinstance(value, ast.Constant) else None
+
+
+def _factory_by_alts(flow, node, callee: EnvVal, recv, args, kws, st, fr) -> EnvVal:
+    """``ctx()`` where ``ctx = model.no_sync if cond else nullcontext``: the sync control on the
+    paths where the factory was chosen, whatever the other alternatives make."""
+    alts = []
+    for formula, vals in callee.alts:
+        for v in sorted(vals, key=repr):
+            result = _call_target(flow, node, v, recv, args, kws, st, fr) if isinstance(
+                v, (FlowFactory, Ext)) else None
+            if result is None:
+                alts.append((formula, ONE_UNKNOWN))
+                continue
+            alts.extend((g & formula, rv) for g, rv in result.alts if g & formula)
+    return EnvVal(tuple(alts) or ((TRUE, ONE_UNKNOWN),), _prov(*args, *kws.values()), None, None)
 
 
 def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
@@ -348,6 +375,12 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
             value = kws[name]
         elif i < len(positional) and name not in kwonly and not any(isinstance(a, ast.Starred) for a in node.args[:i + 1]):
             value = positional[i]
+        elif not node.keywords or all(k.arg is not None for k in node.keywords):
+            # not passed: a literal default is what the callee sees (``update_grad=True``)
+            default = _literal_default(fn.node, name)
+            if default is None or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            value = expr(flow, default, st, fr)
         else:
             continue
         env[name] = value._replace(version=("arg", id(node), i))
@@ -635,6 +668,9 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
             mine = frozenset((PLAIN,))
         tokens = list(prop.tokens)
         forwards = list(prop.forwards)
+        # several models from one forward are alternatives (a helper called with a different DDP
+        # model by each script), not one loss through several models (a GAN's generator loss)
+        shared = len({f.site for f in forwards if f.model in mine}) > 1
         for model in sorted(mine, key=repr):
             old = next((t for t in tokens if t.model == model), None)
             if old is not None:
@@ -659,7 +695,7 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                 flow.records.misses_forward(now_by if fwd.flag_after is None else fwd.flag_after, site, model,
                                             "flag" if fwd.flag_after is not None else "control", guard)
             outside = model.kind in vocab.FORWARD_DECIDES and fwd is not None and fwd.decided == "off" and now == "on"
-            tokens.append(Token(model, site, synced, by, outside, misses, loops, len(mine) > 1))
+            tokens.append(Token(model, site, synced, by, outside, misses, loops, shared))
         yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
 
     _each(st, transfer)

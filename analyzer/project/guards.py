@@ -63,7 +63,7 @@ def assignments(formula: int):
 
 
 class Atom:
-    __slots__ = ("index", "key", "text", "mod", "loop", "counter")
+    __slots__ = ("index", "key", "text", "mod", "loop", "counter", "negated")
 
     def __init__(self, index: int, key, text: str, mod=None) -> None:
         self.index = index
@@ -72,6 +72,15 @@ class Atom:
         self.mod = mod            # (counter key, modulus key, residue) for ``(i + c) % n == r``
         self.loop = None          # the loop whose last iteration this is (LAST atoms)
         self.counter = None       # the loop whose counter a mod form reads (first-iteration values)
+        self.negated = None       # the text of the code's own negation (``i % n != 0``), if it wrote one
+
+    def says(self, value: bool) -> str:
+        """A true statement about this atom's value, in the code's own words where it has them."""
+        if self.loop is not None:
+            return f"on {self.text}" if value else f"before {self.text}"
+        if not value and self.negated:
+            return f"`{self.negated}` is true"
+        return f"`{self.text}` is {'true' if value else 'false'}"
 
 
 class Atoms:
@@ -106,15 +115,7 @@ class Atoms:
 
     def describe_assignment(self, assignment: int, among) -> str:
         """Words for one assignment of some atoms: `(i + 1) % n == 0` is false, ..."""
-        parts = []
-        for index in among:
-            atom = self.atoms[index]
-            value = bool(assignment >> index & 1)
-            if atom.loop is not None:
-                parts.append(f"on {atom.text}" if value else f"before {atom.text}")
-            else:
-                parts.append(f"`{atom.text}` is {'true' if value else 'false'}")
-        return ", ".join(parts)
+        return _and([self.atoms[index].says(bool(assignment >> index & 1)) for index in among])
 
     def describe(self, formula: int, among: Optional[set] = None) -> str:
         """Words for a conjunction: ``(i + 1) % n == 0`` is false, on the last micro-step, ..."""
@@ -124,11 +125,13 @@ class Atoms:
                 continue
             on = formula & MASKS[atom.index]
             off = formula & ~MASKS[atom.index] & TRUE
-            if on and not off:
-                parts.append(f"`{atom.text}` is true")
-            elif off and not on:
-                parts.append(f"`{atom.text}` is false")
-        return ", ".join(parts)
+            if bool(on) != bool(off):
+                parts.append(atom.says(bool(on)))
+        return _and(parts)
+
+
+def _and(parts: list) -> str:
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
 
 
 def _compatible(a, b) -> bool:

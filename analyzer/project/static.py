@@ -129,6 +129,10 @@ class UnseededSampler(NamedTuple):
     name: str
 
 
+# a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``
+_EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|valid|validation|eval|evaluation|test|dev)(?:[^a-z]|$)")
+
+
 def samplers_without_set_epoch(program) -> list:
     values = program.values
     values.project.load_matching("DistributedSampler")
@@ -166,7 +170,10 @@ def samplers_without_set_epoch(program) -> list:
             continue
         if not _has_epoch_loop(program):
             continue
-        out.append(UnseededSampler(module, call, _assigned_name(module, call)))
+        name = _assigned_name(module, call)
+        if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}"):
+            continue    # an evaluation pass gives the same metrics in any order
+        out.append(UnseededSampler(module, call, name))
     return out
 
 
@@ -308,7 +315,7 @@ class _RankChecker:
             if targets is None:
                 targets = self.program.call_targets(node, scope)
             for fn in targets:
-                runs = self.runs(fn)
+                runs = self.runs(fn, _literal_arguments(node, fn, {}))
                 if runs:
                     found.append((node, sorted(runs)[0], side, test, True))
                     break
@@ -339,24 +346,52 @@ class _RankChecker:
             return _kind(attr)
         return None
 
-    def runs(self, fn: Function) -> set:
-        """The collectives a project function runs on every rank that calls it (transitively)."""
-        found = self._runs.get(fn.uid)
+    def runs(self, fn: Function, binding: frozenset = frozenset()) -> set:
+        """The collectives a project function runs on every rank that calls it (transitively), given
+        the literal values of some of its parameters (``evaluate=True``, ``rank=-1``): a branch whose
+        test those values make false is not taken."""
+        key = (fn.uid, binding)
+        found = self._runs.get(key)
         if found is not None:
             return found
-        self._runs[fn.uid] = set()
-        out = set()
-        for node in ast.walk(fn.node):
-            if isinstance(node, ast.Call):
-                what = self.collective(node, fn)
-                if what:
-                    out.add(what)
-                else:
-                    for callee in self.program.syntactic_targets(node, fn) or ():
-                        if callee is not fn:
-                            out |= self.runs(callee)
-        self._runs[fn.uid] = out
+        self._runs[key] = set()
+        out: set = set()
+        self._runs_in(fn.node.body, fn, dict(binding), out)
+        self._runs[key] = out
         return out
+
+    def _runs_in(self, stmts, fn: Function, binding: dict, out: set) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(stmt, (ast.If, ast.While)) and binding:
+                value = _fold(stmt.test, binding)
+                value = value if value is _UNKNOWN else bool(value)
+                self._runs_calls(stmt.test, fn, binding, out)
+                if value is not False:
+                    self._runs_in(stmt.body, fn, binding, out)
+                if value is not True:
+                    self._runs_in(stmt.orelse, fn, binding, out)
+                continue
+            for child in ast.iter_child_nodes(stmt):
+                if isinstance(child, ast.stmt):
+                    self._runs_in([child], fn, binding, out)
+                elif isinstance(child, ast.excepthandler):
+                    self._runs_in(child.body, fn, binding, out)
+                elif isinstance(child, (ast.expr, ast.withitem)):
+                    self._runs_calls(child, fn, binding, out)
+
+    def _runs_calls(self, node, fn: Function, binding: dict, out: set) -> None:
+        for call in ast.walk(node):
+            if not isinstance(call, ast.Call):
+                continue
+            what = self.collective(call, fn)
+            if what:
+                out.add(what)
+                continue
+            for callee in self.program.syntactic_targets(call, fn) or ():
+                if callee is not fn:
+                    out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
     def polarity(self, test, scope, depth: int = 0) -> Optional[str]:
         """"main" when the test holds on the main rank only, "other" when on every rank but it."""
@@ -403,6 +438,93 @@ class _RankChecker:
                 for value in module.globals.get(test.id, ()):
                     return self.polarity(value, module, depth + 1)
         return None
+
+
+_UNKNOWN = object()
+
+
+def _literal_arguments(call: ast.Call, fn: Function, outer: dict) -> frozenset:
+    """The literal values a call gives the callee's parameters: its constant arguments, names the
+    caller knows the value of, and the literal defaults of the parameters it does not pass."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return frozenset()
+    a = fn.node.args
+    positional = [p.arg for p in a.posonlyargs + a.args]
+    if fn.is_method and positional:
+        positional = positional[1:]
+    values: dict = {}
+    defaults = a.defaults
+    for name, default in zip(positional[len(positional) - len(defaults):], defaults):
+        values[name] = default
+    for p, d in zip(a.kwonlyargs, a.kw_defaults):
+        if d is not None:
+            values[p.arg] = d
+    for name, arg in zip(positional, call.args):
+        values[name] = arg
+    for kw in call.keywords:
+        values[kw.arg] = kw.value
+    out = []
+    for name, node in values.items():
+        value = _fold(node, outer)
+        if value is not _UNKNOWN and isinstance(value, (bool, int, str, type(None), tuple)):
+            out.append((name, value))
+    return frozenset(out)
+
+
+def _fold(node, binding: dict):
+    """The value of a test given some names' values; _UNKNOWN when it depends on anything else.
+    An ``and`` is false as soon as one operand is, an ``or`` true as soon as one is."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return binding.get(node.id, _UNKNOWN)
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = tuple(_fold(e, binding) for e in node.elts)
+        return _UNKNOWN if any(i is _UNKNOWN for i in items) else items
+    if isinstance(node, ast.UnaryOp):
+        v = _fold(node.operand, binding)
+        if v is _UNKNOWN:
+            return _UNKNOWN
+        if isinstance(node.op, ast.Not):
+            return not v
+        if isinstance(node.op, ast.USub) and isinstance(v, (int, float)):
+            return -v
+        return _UNKNOWN
+    if isinstance(node, ast.BoolOp):
+        stop = isinstance(node.op, ast.Or)
+        result = not stop
+        for v in node.values:
+            value = _fold(v, binding)
+            if value is _UNKNOWN:
+                result = _UNKNOWN
+            elif bool(value) == stop:
+                return stop
+        return result
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        left, right = _fold(node.left, binding), _fold(node.comparators[0], binding)
+        if left is _UNKNOWN or right is _UNKNOWN:
+            return _UNKNOWN
+        op = node.ops[0]
+        try:
+            if isinstance(op, (ast.Eq, ast.Is)):
+                return left == right
+            if isinstance(op, (ast.NotEq, ast.IsNot)):
+                return left != right
+            if isinstance(op, ast.In):
+                return left in right
+            if isinstance(op, ast.NotIn):
+                return left not in right
+            if isinstance(op, ast.Lt):
+                return left < right
+            if isinstance(op, ast.LtE):
+                return left <= right
+            if isinstance(op, ast.Gt):
+                return left > right
+            if isinstance(op, ast.GtE):
+                return left >= right
+        except TypeError:
+            return _UNKNOWN
+    return _UNKNOWN
 
 
 def _kind(name: str) -> str:

@@ -143,11 +143,11 @@ class UnsyncedStep(Rule):
                     detail = f"sync is off on every micro-step, the one before `{step}` included"
                 else:
                     when = outcomes.describe(group)
-                    detail = (f"sync is off on the micro-step before `{step}`"
-                              f"{' (when ' + when + ')' if when else ''}: `{how}` is active at the boundary, so the "
-                              f"sync condition does not match the step's condition")
+                    detail = (f"sync is still off when `{step}` runs: "
+                              f"{'at that micro-step ' + when + ', and there ' if when else 'there '}"
+                              f"`{how}` turns it off, so the sync condition does not match the step's condition")
                 at_module, at_node = ctx.node(flow, token.by) if token.by is not None else (module, node)
                 ctx.report(self, at_module or module, at_node or node,
-                           f"{detail}, so the optimizer steps on gradients that were never all-reduced "
-                           f"(`{how}`); each rank applies a different update and the replicas silently diverge",
+                           f"{detail}: the optimizer steps on gradients that were never all-reduced, so each "
+                           f"rank applies a different update and the replicas silently diverge",
                            FIX)
