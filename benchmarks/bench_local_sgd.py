@@ -74,21 +74,20 @@ def int_list(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="3 seeds instead of 5 (about 4 minutes on 2 cores)")
-    parser.add_argument("--ranks", type=int, default=2, help="gloo processes")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 seeds instead of 5 (about 5 minutes on 2 shared cores)")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
     parser.add_argument("--samples", type=int_list, default=[4096, 16384],
-                        help="training-set sizes, one table row each (comma-separated)")
-    parser.add_argument("--epochs", type=int, default=2, help="passes over the training set (the budget)")
-    parser.add_argument("--batch", type=int, default=16, help="samples per rank per micro-batch")
-    parser.add_argument("--ks", type=int_list, default=[1, 2, 4, 8, 16], help="values of N and K")
+                        help="training-set sizes, one table row each (default 4096,16384)")
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the training set: the budget (default 2)")
+    parser.add_argument("--batch", type=int, default=16, help="samples per rank per micro-batch (default 16)")
+    parser.add_argument("--ks", type=int_list, default=[1, 2, 4, 8, 16], help="values of N and K (default 1,2,4,8,16)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 5, 3 with --quick)")
     parser.add_argument("--lr", type=float, default=0.05,
-                        help="learning rate of full sync every batch (N = 1) and of local SGD")
+                        help="learning rate of full sync every batch (N = 1) and of local SGD (default 0.05)")
     parser.add_argument("--lr-rule", choices=sorted(LR_RULES), default="linear",
-                        help="accumulation's learning rate: lr x N (linear), lr x sqrt(N), or lr (none)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+                        help="accumulation's learning rate: lr x N (linear, the default), lr x sqrt(N), or lr (none)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--json", type=Path, help="also write the rows and every run here")
     args = parser.parse_args(argv)
     if args.seeds is None:
@@ -290,12 +289,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     by_key = {(row["samples"], row["scheme"], row["k"]): row for row in rows}
     seeds = len(rows[0]["seeds"]) if rows else 0
     lines = [
-        f"{args.ranks} ranks, gloo, {os.cpu_count()} CPUs, torch {torch.__version__}, Python "
-        f"{platform.python_version()}, {args.threads} thread(s) per rank",
-        f"task: {CLASSES} classes x {CLUSTERS_PER_CLASS} Gaussian clusters in {FEATURES}-D, MLP "
-        f"{FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}; held-out accuracy on {HELD_OUT:,} samples",
-        f"budget: {args.epochs} epochs, {args.batch} samples per rank per batch; SGD momentum 0.9, lr {args.lr:g} "
-        f"(accumulation: lr rule '{args.lr_rule}'); {seeds} seed(s) per cell, runs interleaved",
+        (f"{args.ranks} ranks, gloo, {os.cpu_count()} CPUs, torch {torch.__version__}, Python "
+         f"{platform.python_version()}, {args.threads} thread(s) per rank"),
+        (f"task: {CLASSES} classes x {CLUSTERS_PER_CLASS} Gaussian clusters in {FEATURES}-D, MLP "
+         f"{FEATURES}-{HIDDEN}-{HIDDEN}-{CLASSES}; held-out accuracy on {HELD_OUT:,} samples"),
+        (f"budget: {args.epochs} epochs, {args.batch} samples per rank per batch; SGD momentum 0.9, lr {args.lr:g} "
+         f"(accumulation: lr rule '{args.lr_rule}'); {seeds} seed(s) per cell, runs interleaved"),
         "",
         "accuracy (mean of seeds) and speedup over full sync every batch (accumulation N = 1)",
         "",
@@ -315,8 +314,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         "mean ± standard deviation over seeds; seconds = wall time for the whole budget, speedups from it;",
         "CPU s = rank 0's process time (user + system), which other jobs on a shared machine do not inflate",
         "",
-        f"{'samples':>8} {'scheme':<11} {'N/K':>4} {'updates':>8} {'lr':>6} {'accuracy':>15} {'seconds':>15} "
-        f"{'vs K=1':>7} {'vs full sync':>13} {'CPU s':>7} {'CPU vs full':>12}",
+        (f"{'samples':>8} {'scheme':<11} {'N/K':>4} {'updates':>8} {'lr':>6} {'accuracy':>15} {'seconds':>15} "
+         f"{'vs K=1':>7} {'vs full sync':>13} {'CPU s':>7} {'CPU vs full':>12}"),
     ]
     for row in rows:
         lines.append(

@@ -42,7 +42,7 @@ def tiny(bench):
 
 @pytest.mark.multirank
 def test_rows_have_one_cell_per_samples_scheme_and_k(tiny):
-    args, runs, rows = tiny
+    _, runs, rows = tiny
     assert len(runs) == 2 * 2 * 2  # samples x schemes x ks, one seed
     assert [(row["samples"], row["scheme"], row["k"]) for row in rows] == [
         (samples, scheme, k) for samples in (512, 1024) for scheme in ("accumulate", "local_sgd") for k in (1, 4)]
@@ -79,7 +79,7 @@ def test_both_schemes_learn_and_update_as_often_as_they_should(tiny):
 
 @pytest.mark.multirank
 def test_local_sgd_every_batch_equals_full_sync(tiny):
-    args, runs, rows = tiny
+    args, runs, _ = tiny
     by_key = {(run["samples"], run["scheme"], run["k"], run["seed"]): run for run in runs}
     for samples in args.samples:
         full = by_key[(samples, "accumulate", 1, 0)]
@@ -92,7 +92,7 @@ def test_local_sgd_every_batch_equals_full_sync(tiny):
 
 @pytest.mark.multirank
 def test_the_printed_table_has_every_scheme_and_k(bench, tiny):
-    args, runs, rows = tiny
+    args, _, rows = tiny
     text = bench.table(rows, args)
     wide = text.split("mean ± standard deviation")[0]
     header = next(line for line in wide.splitlines() if "N/K=1" in line)
