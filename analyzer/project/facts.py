@@ -98,8 +98,11 @@ class Population:
                 stepped |= guard
         self.stepped = stepped & self.width_mask
         self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index)]
-        self.accumulating = bool(self.stepped) and any(kind in NON_BOUNDARY and across
-                                                       for _, kind, _, across, _ in records)
+        # a step gated by a counter (``(i + 1) % n == 0``, the last micro-step, ``micro == accum``)
+        # means to accumulate; one gated by any other test (``if should_update(...)``) skips steps
+        self.periodic = any(_periodic(flow.atoms.atoms[k]) for k in self.gate)
+        kinds = {kind for _, kind, _, across, _ in records if across}
+        self.accumulating = bool(self.stepped) and ("superseded" in kinds or ("wiped" in kinds and self.periodic))
 
     @property
     def data_parallel(self) -> bool:
@@ -126,6 +129,14 @@ class Population:
 
     def describe(self, group: int) -> str:
         return self.flow.atoms.describe_assignment(group, self.gate)
+
+
+_COUNTING = ("accum", "grad_acc", "update_freq", "sync_gradients", "micro", "iters_to_acc", "gradient_acc",
+             "backward_passes", "n_acc", "ga_steps")
+
+
+def _periodic(atom) -> bool:
+    return atom.mod is not None or atom.loop is not None or any(w in atom.text.lower() for w in _COUNTING)
 
 
 def populations(flow) -> list:
@@ -167,9 +178,8 @@ def wasted(flow) -> list:
         if any(t.misses_forward or t.forward_outside for t, *_ in pop.records):
             continue
         for group, outcomes in pop.groups(NON_BOUNDARY).items():
-            if outcomes and all(t.synced == "on" for t, _, _ in outcomes) and \
-                    any(kind == "superseded" for _, kind, _ in outcomes):
-                for site in sorted({t.site for t, kind, _ in outcomes if kind == "superseded"}):
+            if outcomes and all(t.synced == "on" for t, _, _ in outcomes):
+                for site in sorted({t.site for t, kind, _ in outcomes}):
                     out.append((site, pop.model, pop, group))
                 break
     return out
@@ -185,7 +195,7 @@ def wiped(flow) -> list:
     has its gradients thrown away before the step: SC201's fact."""
     out = []
     for pop in populations(flow):
-        if not pop.stepped or pop.managed:
+        if not pop.stepped or pop.managed or not pop.accumulating:
             continue
         if not any(kind == "wiped" and across for _, kind, _, across, _ in pop.records):
             continue
