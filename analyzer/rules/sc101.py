@@ -128,6 +128,7 @@ class SyncEveryMicrostep(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.facts import wasted
 
         for flow in ctx.flows:
@@ -142,4 +143,5 @@ class SyncEveryMicrostep(Rule):
                 else:
                     msg = (f"`{name}` all-reduces gradients on every micro-step of this accumulation loop, though "
                            f"the optimizer steps only every few: N-1 of every N all-reduces are wasted")
-                ctx.report(self, module, node, msg, FIX)
+                ctx.report(self, module, node, msg, FIX,
+                           autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))

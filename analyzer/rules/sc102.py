@@ -94,22 +94,27 @@ class NoSyncMissesForward(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.facts import missed_forward
 
         for flow in ctx.flows:
             for by, site, model, kind in missed_forward(flow):
                 module, node = ctx.node(flow, by)
+                autofix = (lambda flow=flow, by=by, site=site, model=model, kind=kind:
+                           plan.missed(flow, by, site, model, kind))
                 if kind == "flag":
                     ctx.report(self, module, node,
                                "`require_backward_grad_sync` is set after the forward: DDP read the flag when the "
                                "forward ran, so this write only takes effect at the next micro-step. The boundary "
                                "backward runs with the value the previous micro-step left (no sync): its gradients "
                                "are never all-reduced and the ranks diverge, while the micro-step after it syncs "
-                               "for nothing", "set the flag before calling the model")
+                               "for nothing", "set the flag before calling the model",
+                               autofix=autofix)
                 else:
                     how = ctx.text(module, node)
                     how = how.splitlines()[0].rstrip(":").removeprefix("with ").strip() if how else "no_sync()"
                     ctx.report(self, module, node,
                                f"`{how}` is entered after the forward ran: DDP decided at forward time that this "
                                f"backward all-reduces, so the context does nothing and every micro-step still "
-                               f"synchronizes", "move the forward (the `model(...)` call) inside the same context")
+                               f"synchronizes", "move the forward (the `model(...)` call) inside the same context",
+                               autofix=autofix)

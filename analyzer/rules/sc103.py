@@ -122,6 +122,7 @@ class UnsyncedStep(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.facts import unsynced_steps
 
         for flow in ctx.flows:
@@ -129,13 +130,15 @@ class UnsyncedStep(Rule):
                 module, node = ctx.node(flow, token.site)
                 step_module, step_node = ctx.node(flow, step_site)
                 step = ctx.text(step_module, step_node) if step_node is not None else "optimizer.step()"
+                autofix = (lambda flow=flow, pop=outcomes, token=token, step_site=step_site:
+                           plan.unsynced(flow, pop, token, step_site))
                 if token.forward_outside:
                     how = ctx.control_text(flow, token.by)
                     ctx.report(self, module, node,
                                f"the forward of this micro-step ran inside `{how}` but this backward runs "
                                f"outside it: DDP decides at forward time, so these gradients are never "
                                f"all-reduced and the optimizer steps on each rank's own gradients; ranks "
-                               f"silently diverge", FIX)
+                               f"silently diverge", FIX, autofix=autofix)
                     continue
                 how = ctx.control_text(flow, token.by)
                 every = all(t.synced == "off" for t, *_ in outcomes.records)
@@ -150,4 +153,4 @@ class UnsyncedStep(Rule):
                 ctx.report(self, at_module or module, at_node or node,
                            f"{detail}, so the optimizer steps on gradients that were never all-reduced "
                            f"(`{how}`); each rank applies a different update and the replicas silently diverge",
-                           FIX)
+                           FIX, autofix=autofix)
