@@ -53,7 +53,7 @@ def wasted(flow, pop, site) -> dict:
         first, last = tree.sibling_range(calls[0], back)
         if not all(_covered(tree, c, first, last) for c in calls):
             raise NoFix("the model's forwards in this loop are not next to its backward")
-        stable_from(module, bound, first)
+        bound = stable_from(module, bound, first)
         name = model_text(module, calls[0])
         ops = []
         if kind in ("ddp", "fsdp"):
@@ -123,8 +123,12 @@ def _accelerate(module, back, bound, first, last, name) -> list:
     if made.lineno > first.lineno and Tree.of(module).enclosing_loop(made) is None and \
             _same_scope(module, made, first):
         raise NoFix("the Accelerator is built after the loop")
-    check_stable(ast.parse(bound.count, mode="eval").body, [s for s in module.tree.body if s.lineno > made.lineno
-                                                             and s.lineno < first.lineno])
+    count = ast.parse(bound.count, mode="eval").body
+    late = [s for s in module.tree.body if made.lineno < s.lineno < first.lineno]
+    try:
+        check_stable(count, late)
+    except NoFix:
+        raise NoFix(f"the number of micro-steps (`{bound.count}`) is set after the Accelerator is built") from None
     from synccheck.analyzer.fix.syntax import end_position
     return [("wrap", pos(module, first), pos(module, last), f"{accelerator}.accumulate({name})"),
             ("kwarg", pos(module, made), end_position(module, made), "gradient_accumulation_steps", bound.count)]
@@ -167,7 +171,7 @@ def missed(flow, by, site, model, kind: str) -> dict:
                 raise NoFix("the flag and the forward are not in one block")
             block = tree.block(stmt)
             check_stable(stmt.value, block[block.index(first):block.index(stmt)])
-            return [("remove", pos(module, stmt)), ("before", pos(module, first), text(module, stmt))]
+            return [("move", pos(module, stmt), pos(module, first))]
         return build(module, "Set `require_backward_grad_sync` before the forward", "unsafe", make_flag)
 
     def make_control():
@@ -222,7 +226,7 @@ def unsynced(flow, pop, token, step_site) -> dict:
         tree = Tree.of(module)
         bound = boundary(module, back, step_nodes(None, flow, pop, module))
         stmt = tree.statement(by)
-        stable_from(module, bound, stmt)
+        bound = stable_from(module, bound, stmt)
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
                 getattr(stmt.targets[0], "attr", "") == "require_backward_grad_sync":
             return [("replace", pos(module, stmt.value), _end(module, stmt.value), f"({bound.cond})")]
@@ -233,6 +237,8 @@ def unsynced(flow, pop, token, step_site) -> dict:
             raise NoFix("the sync control is not a plain `with` statement")
         expr = stmt.items[0].context_expr
         null, need = null_context(module)
+        if isinstance(expr, ast.Name):
+            expr = _assigned_context(tree, stmt, expr.id)
         extra = [("import", need)] if need else []
         if isinstance(expr, ast.IfExp):
             off = expr.body if "sync" in text(module, expr.body) else expr.orelse
@@ -259,6 +265,20 @@ def unsynced(flow, pop, token, step_site) -> dict:
                  f"({null} if {bound.test()} else {text(module, expr)})")] + extra
 
     return build(module, "Make the sync condition the optimizer step's condition", "unsafe", make)
+
+
+def _assigned_context(tree, with_stmt, name: str):
+    """``ctx = model.no_sync() if c else nullcontext()`` then ``with ctx:``: the assigned expression,
+    when it is the only assignment of ``ctx`` and sits just before, in the same block."""
+    block = tree.block(with_stmt)
+    before = block[:block.index(with_stmt)]
+    assigns = [s for s in before if isinstance(s, ast.Assign) and len(s.targets) == 1
+               and isinstance(s.targets[0], ast.Name) and s.targets[0].id == name]
+    loop = tree.enclosing_loop(with_stmt)
+    others = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+    if len(assigns) != 1 or len(others) != 1:
+        raise NoFix(f"`{name}` is not assigned once, just before the `with`")
+    return assigns[0].value
 
 
 def _end(module, node) -> tuple:

@@ -11,6 +11,7 @@ A plan is a tuple of operations, plain tuples so findings stay picklable and JSO
   ``with <header>:``;
 * ``("before", stmt, code)`` / ``("after", stmt, code)``: a new statement next to ``stmt``;
 * ``("remove", stmt)``; ``("unwrap", with_stmt)``: a ``with`` replaced by its body;
+* ``("move", stmt, to)``: ``stmt`` (with its comment) moves up, before ``to`` of the same block;
 * ``("replace", start, end, code)``: the expression spanning start..end becomes ``code``;
 * ``("kwarg", start, end, name, code)``: the call spanning start..end gets ``name=code``;
 * ``("import", module)``: ``import module`` in the module's import block, unless already there.
@@ -147,13 +148,21 @@ class _Transformer:
                 wrapping: Optional[list] = None
                 wrap_op = None
                 carry: list = []        # comment lines of a removed statement: kept for the next one
+                moving: dict = {}       # target position -> statements moved before it
+                for orig, upd in zip(originals, updates):
+                    for op in self._take("move", self._start(orig)):
+                        moving.setdefault(op[2], []).append(upd.with_changes(leading_lines=()))
+                        self.done.add(("move", op[1]))
                 for orig, upd in zip(originals, updates):
                     pos = self._start(orig)
+                    if ("move", pos) in self.ops:      # it now stands before its target
+                        carry = list(upd.leading_lines)
+                        continue
                     target = out if wrapping is None else wrapping
                     if carry:
                         upd = upd.with_changes(leading_lines=carry + list(upd.leading_lines))
                         carry = []
-                    inserted = [s for op in self._take("before", pos) for s in _statements(op[2])]
+                    inserted = moving.pop(pos, []) + [s for op in self._take("before", pos) for s in _statements(op[2])]
                     if inserted:
                         # the comments above a statement stay above what now comes first
                         inserted[0] = inserted[0].with_changes(leading_lines=upd.leading_lines)
@@ -188,8 +197,8 @@ class _Transformer:
                                             body=cst.IndentedBlock(body=wrapping), leading_lines=lead))
                         self.done.add(("wrap", wrap_op[1]))
                         wrapping, wrap_op = None, None
-                if wrapping is not None:
-                    raise ValueError("the statements to wrap are not in one block")
+                if wrapping is not None or moving:
+                    raise ValueError("the statements to wrap or move are not in one block")
                 return out
 
             def _add_imports(self, body: list) -> list:

@@ -147,18 +147,43 @@ def _count(test) -> Optional[str]:
     return None
 
 
-def stable_from(module, bound: Boundary, start_stmt) -> None:
-    """The boundary condition, moved to run at ``start_stmt``, has the value the step's test sees."""
+def stable_from(module, bound: Boundary, start_stmt) -> Boundary:
+    """The boundary condition as it must be written at ``start_stmt`` to have the value the step's test
+    will see: unchanged, or, for a counter the loop increments in between (``micro += 1`` before
+    ``if micro == accum:``), with the counter's later value (``micro + 1 == accum``)."""
     if bound.node is None and bound.gate is None:
-        return                  # ``v == n - 1``: checked with the loop
+        return bound            # ``v == n - 1``: checked with the loop
     tree = Tree.of(module)
     loop = bound.loop
     a = tree.top_of(start_stmt, loop)
     b = tree.top_of(bound.gate, loop)
     i, j = loop.body.index(a), loop.body.index(b)
     stmts = loop.body[i:j] if i < j else loop.body[j + 1:i + 1]
-    cond = bound.node if bound.node is not None else bound.gate.test
-    check_stable(cond, stmts)
+    test = bound.gate.test
+    steps = {}
+    if i < j:
+        for s in stmts:
+            if isinstance(s, ast.AugAssign) and isinstance(s.op, ast.Add) and isinstance(s.target, ast.Name) and \
+                    isinstance(s.value, ast.Constant) and isinstance(s.value.value, int):
+                steps[s.target.id] = steps.get(s.target.id, 0) + s.value.value
+    rest = [s for s in stmts if not (isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name)
+                                     and s.target.id in steps)]
+    check_stable(test, rest)
+    if not steps or not (set(steps) & {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}):
+        return bound
+    import copy
+
+    class Later(ast.NodeTransformer):
+        def visit_Name(self, node):
+            if node.id in steps:
+                return ast.BinOp(ast.Name(node.id, ast.Load()), ast.Add(), ast.Constant(steps[node.id]))
+            return node
+
+    later = ast.fix_missing_locations(Later().visit(copy.deepcopy(test)))
+    later_text = ast.unparse(later)
+    negated = bound.node is None
+    return bound._replace(cond=negate(later_text, later) if negated else later_text,
+                          node=None if negated else later)
 
 
 def model_text(module, call) -> str:

@@ -26,6 +26,13 @@ class NoSyncMissesForward(Rule):
     use_instead = """
         Put the forward inside the context too, or set the flag before calling the model.
     """
+    fix_safety = """
+        `--fix` moves the control so it covers the forward: the condition that held the control
+        becomes `with (model.no_sync() if <condition> else contextlib.nullcontext()):` around the
+        forward and the branch, which keeps the numbers the same (safe). A `require_backward_grad_sync`
+        assignment moves above the forward; that fix is unsafe, because the boundary micro-step, which
+        did not sync before, now does.
+    """
     references = ("PyTorch, `DistributedDataParallel.no_sync`: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync",
                   "Hugging Face Accelerate, Gradient synchronization (its timing table): https://huggingface.co/docs/accelerate/concept_guides/gradient_synchronization#just-how-much-of-a-slowdown-is-there-and-easy-mistakes-you-can-make")
     INVALID = ("""

@@ -30,6 +30,12 @@ class UnsyncedStep(Rule):
         Sync exactly on the micro-step whose backward is followed by the optimizer step, using the
         same condition for both.
     """
+    fix_safety = """
+        `--fix` makes the sync condition the optimizer step's condition (the `if` around `no_sync()`,
+        the test of a conditional context, a flag's value, or a conditional around an unconditional
+        `no_sync()`). Unsafe: the boundary micro-step now all-reduces, so the weights change (they stop
+        diverging across ranks). No fix when the forward and the backward sit in different contexts.
+    """
     references = ("PyTorch, `DistributedDataParallel.no_sync`: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync",)
     INVALID = ("""
         from torch.nn.parallel import DistributedDataParallel as DDP
