@@ -184,7 +184,8 @@ def write_back(outcome: Outcome, before_write=None) -> Optional[str]:
         return f"not fixed: cannot read it again before writing: {exc.strerror or exc}"
     if now != outcome.data:
         return "not fixed: the file changed on disk while synccheck was fixing it (run again)"
-    if not os.access(path, os.W_OK):
+    # marked read-only (no write bit for anyone) is respected even by a user who could write it anyway
+    if not os.access(path, os.W_OK) or not os.stat(path).st_mode & 0o222:
         return "not fixed: the file is read-only"
     try:
         _replace(path, payload)
