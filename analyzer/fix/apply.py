@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Callable, List, Optional
 
-from synccheck.analyzer.fix.check import Overlap, analyse_text, apply_edits, span, verdict
+from synccheck.analyzer.fix.check import Overlap, added, analyse_text, apply_edits, span, verdict
 from synccheck.analyzer.ftypes import FileError
 
 MAX_ROUNDS = 6
@@ -51,6 +51,7 @@ class Outcome:
         self.remaining: Optional[list] = None    # the file's findings after the fixes (None: unchanged)
         self.error: Optional[str] = None
         self.notebook = None
+        self.failed: dict = {}        # (code, message) -> why its fix was not applied
 
 
 def fix_result(result, rules: list, options: FixOptions, write: bool = True,
@@ -78,6 +79,8 @@ def fix_result(result, rules: list, options: FixOptions, write: bool = True,
         if o is None or o.remaining is None:
             if o is not None and o.error and options.enabled(f):
                 f = _not_applied(f, o.error)
+            elif o is not None and (f.code, f.message) in o.failed and options.enabled(f):
+                f = _not_applied(f, o.failed[(f.code, f.message)])
             findings.append(f)
     for o in outcomes:
         if o.remaining is not None:
@@ -91,7 +94,8 @@ def fix_result(result, rules: list, options: FixOptions, write: bool = True,
 
 
 def _not_applied(finding, why: str):
-    return finding._replace(fix=f"fix not applied: {why}; {finding.fix}" if finding.fix else f"fix not applied: {why}")
+    return finding._replace(fix=f"fix not applied: {why}; {finding.fix}" if finding.fix else f"fix not applied: {why}",
+                            autofix={"reason": f"fix not applied: {why}"})
 
 
 def fix_file(path: str, rules: list, options: FixOptions) -> Outcome:
@@ -108,18 +112,22 @@ def fix_file(path: str, rules: list, options: FixOptions) -> Outcome:
         return outcome
     outcome.data = data
     outcome.old = text
-    outcome.new, outcome.fixed, outcome.remaining = fix_text(path, text, rules, options)
+    outcome.new, outcome.fixed, outcome.remaining = fix_text(path, text, rules, options, failed=outcome.failed)
     if not outcome.fixed:
         outcome.remaining = None
     return outcome
 
 
-def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=None) -> tuple:
-    """(new text, fixed findings, findings left) for one file's text."""
+def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=None,
+             failed: Optional[dict] = None) -> tuple:
+    """(new text, fixed findings, findings left) for one file's text. ``failed`` is filled with the
+    reason each fix that was tried and left out failed."""
     current = text
     findings = analyse_text(path, current, rules, notebook)
+    original = findings
     fixed: list = []
-    failed: dict = {}
+    failed = {} if failed is None else failed
+    states = [(current, findings, [])]
     for _ in range(MAX_ROUNDS):
         todo = [f for f in findings if options.enabled(f) and (f.code, f.message) not in failed]
         if not todo:
@@ -130,11 +138,22 @@ def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=No
             if first_row > last or not chosen:
                 chosen.append(f)
                 last = last_row
-        applied = _try(path, current, chosen, rules, findings, failed)
+        tried = len(failed)
+        applied = _try(path, current, chosen, rules, findings, failed, options.enabled)
         if applied is None:
+            if len(failed) > tried:
+                continue            # the others may still apply
             break
         current, findings, done = applied
         fixed.extend(done)
+        states.append((current, findings, list(fixed)))
+    # the end result may not hold a finding the file did not have (a revealed one left unfixed):
+    # fall back to the last round that was clean in that sense
+    for current, findings, fixed in reversed(states):
+        why = added(original, findings, fixed)
+        if why is None:
+            break
+        failed.setdefault(("", ""), why)
     for i, f in enumerate(findings):
         if options.enabled(f):
             why = failed.get((f.code, f.message), "it overlaps another fix; run --fix again")
@@ -142,7 +161,7 @@ def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=No
     return current, fixed, findings
 
 
-def _try(path, current, chosen, rules, findings, failed) -> Optional[tuple]:
+def _try(path, current, chosen, rules, findings, failed, fixable) -> Optional[tuple]:
     """Apply ``chosen`` together, else the first of them that passes alone."""
     groups = [chosen] + ([[f] for f in chosen] if len(chosen) > 1 else [])
     for group in groups:
@@ -150,7 +169,7 @@ def _try(path, current, chosen, rules, findings, failed) -> Optional[tuple]:
             new = apply_edits(current, [e for f in group for e in f.autofix["edits"]])
         except Overlap:
             continue
-        why, after = verdict(path, current, new, group, rules, findings)
+        why, after = verdict(path, current, new, group, rules, findings, fixable)
         if why is None:
             return new, after, group
         if len(group) == 1:
