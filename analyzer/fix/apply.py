@@ -150,10 +150,8 @@ def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=No
     # the end result may not hold a finding the file did not have (a revealed one left unfixed):
     # fall back to the last round that was clean in that sense
     for current, findings, fixed in reversed(states):
-        why = added(original, findings, fixed)
-        if why is None:
+        if added(original, findings, fixed) is None:
             break
-        failed.setdefault(("", ""), why)
     for i, f in enumerate(findings):
         if options.enabled(f):
             why = failed.get((f.code, f.message), "it overlaps another fix; run --fix again")
