@@ -17,7 +17,8 @@ class Tree:
     """Parents and blocks of one module, computed once per module."""
 
     def __init__(self, module) -> None:
-        self.module = module
+        # no reference back to the module: it holds this Tree, and a cycle would keep both alive
+        # until the collector runs (the analysis turns it off; see engine._analyse_component)
         self.parent: dict = {}
         self.block_of: dict = {}      # statement -> (owner node, field name)
         for node in ast.walk(module.tree):
@@ -37,7 +38,7 @@ class Tree:
     @staticmethod
     def of(module) -> "Tree":
         tree = getattr(module, "_fix_tree", None)
-        if tree is None or tree.module is not module:
+        if tree is None:
             tree = Tree(module)
             module._fix_tree = tree
         return tree
