@@ -37,7 +37,8 @@ def component_key(entries: list) -> str:
 
 class Cache:
     def __init__(self, directory: str, codes: tuple) -> None:
-        ruleset = hashlib.blake2b(",".join(sorted(codes)).encode(), digest_size=8).hexdigest()
+        # "fix1": findings carry their automatic fix since then; older entries would lack it
+        ruleset = hashlib.blake2b((",".join(sorted(codes)) + ";fix1").encode(), digest_size=8).hexdigest()
         self.file = os.path.join(directory, __version__, f"{ruleset}.json")
         self.directory = directory
         self.files: dict = {}         # path -> [mtime_ns, size, key, gated, imports, eager]

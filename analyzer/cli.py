@@ -58,6 +58,17 @@ def lint_main(argv: List[str]) -> int:
     parser.add_argument("--quiet", "-q", action="count", default=0,
                         help="print the findings only: no summary, no \"All checks passed!\", no warnings "
                              "(-qq: as --silent)")
+    parser.add_argument("--fix", action="store_true", default=None,
+                        help="apply the safe fixes (checked before they are written), then report what is left")
+    parser.add_argument("--no-fix", dest="fix", action="store_false", help="do not fix (overrides `fix = true`)")
+    parser.add_argument("--unsafe-fixes", action="store_true", default=None,
+                        help="also apply (or with --diff, show) the fixes that change what the training computes")
+    parser.add_argument("--no-unsafe-fixes", dest="unsafe_fixes", action="store_false",
+                        help="only safe fixes (overrides `unsafe-fixes = true`)")
+    parser.add_argument("--diff", action="store_true",
+                        help="print the fixes as a unified diff and write nothing (exit 1 when there is one)")
+    parser.add_argument("--fix-only", action="store_true",
+                        help="apply the fixes and report only how many (exit 0 unless a file could not be read)")
     parser.add_argument("--silent", "-s", action="store_true",
                         help="print nothing; the exit code still says whether there were findings "
                              "(--output-file still gets the findings)")
@@ -74,13 +85,17 @@ def lint_main(argv: List[str]) -> int:
         config = Config() if args.isolated else load_config(args.config)
         cache_dir = None if args.no_cache else (args.cache_dir or os.environ.get("SYNCCHECK_CACHE_DIR")
                                                   or ".synccheck_cache")
-        result = lint(args.paths, resolve_rules(config, args.select, args.ignore), jobs=args.jobs,
+        rules = resolve_rules(config, args.select, args.ignore)
+        result = lint(args.paths, rules, jobs=args.jobs,
                       cache_dir=cache_dir, is_excluded=config.is_excluded, ignored_codes=config.ignored_codes)
     except UsageError as exc:
         print(f"synccheck lint: error: {exc}", file=sys.stderr)
         return 2
     silent = args.silent or args.quiet >= 2
     quiet = silent or args.quiet > 0
+    fixing = _fix(args, config, rules, result, silent)
+    if fixing is not None:
+        return fixing
     if result.files == 0 and not result.errors and not quiet:
         # as ruff: not an error (an empty folder in a pre-commit run), but not silent either
         print("synccheck lint: warning: no Python files found under " + ", ".join(args.paths), file=sys.stderr)
@@ -102,6 +117,35 @@ def lint_main(argv: List[str]) -> int:
     if args.exit_zero:
         return 0
     return 1 if (result.findings or result.errors) else 0
+
+
+def _fix(args, config, rules, result, silent: bool) -> Optional[int]:
+    """--fix (then report as usual), --diff and --fix-only (which report only the fixes: an exit code)."""
+    from synccheck.analyzer.fix.apply import FixOptions, fix_result, unified_diff
+
+    unsafe = args.unsafe_fixes if args.unsafe_fixes is not None else bool(config.unsafe_fixes)
+    result.fix_options = FixOptions(unsafe, config.fixable, config.unfixable)
+    fix = args.fix if args.fix is not None else bool(config.fix)
+    if not (fix or args.diff or args.fix_only):
+        return None
+    outcomes = fix_result(result, rules, result.fix_options, write=not args.diff)
+    if not (args.diff or args.fix_only):
+        return None
+    n = result.fixed
+    for e in result.errors:
+        if not silent:
+            print(f"{e.path}: error: {e.message}", file=sys.stderr)
+    if args.diff:
+        if not silent:
+            for o in outcomes:
+                if o.fixed and not o.error:
+                    sys.stdout.write(unified_diff(o))
+            print(f"Would fix {n} problem{'s' if n != 1 else ''}." if n else "No problems would be fixed.",
+                  file=sys.stderr)
+        return 1 if (n or result.errors) else 0
+    if not silent and not args.quiet:
+        print(f"Fixed {n} problem{'s' if n != 1 else ''}." if n else "No problems fixed.")
+    return 1 if result.errors and not args.exit_zero else 0
 
 
 def _check_output_file(path: str) -> None:

@@ -11,6 +11,8 @@ is silently half-read lints the wrong things without anyone noticing.
     exclude = ["legacy/", "*_old.py"]   # gitignore-style, on top of the default skips
     extend-exclude = ["scratch/"]
     per-file-ignores = { "tests/*" = ["SC101"], "notebooks/" = ["SC1"] }
+    fix = true                       # as --fix; unsafe-fixes = true as --unsafe-fixes
+    fixable = ["SC1"]                # the codes --fix may fix (default: all); unfixable = [...] never
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from synccheck.analyzer.files import IgnorePatterns, UsageError
 
 FILENAME = "pyproject.toml"
-KEYS = ("select", "ignore", "exclude", "extend-exclude", "per-file-ignores")
+KEYS = ("select", "ignore", "exclude", "extend-exclude", "per-file-ignores", "fix", "unsafe-fixes", "fixable",
+        "unfixable")
 
 
 class Config:
@@ -28,13 +31,19 @@ class Config:
     def __init__(self, path: Optional[str] = None, root: Optional[str] = None,
                  select: Optional[List[str]] = None, ignore: Optional[List[str]] = None,
                  exclude: Optional[List[str]] = None,
-                 per_file_ignores: Optional[Dict[str, List[str]]] = None) -> None:
+                 per_file_ignores: Optional[Dict[str, List[str]]] = None, fix: Optional[bool] = None,
+                 unsafe_fixes: Optional[bool] = None, fixable: Optional[List[str]] = None,
+                 unfixable: Optional[List[str]] = None) -> None:
         self.path = path                        # the file it came from; None: no configuration
         self.root = os.path.abspath(root or os.getcwd())
         self.select = select                    # None: not given (every rule)
         self.ignore = list(ignore or [])
         self.exclude = list(exclude or [])
         self.per_file_ignores = dict(per_file_ignores or {})
+        self.fix = fix                          # None: not given (the command line decides)
+        self.unsafe_fixes = unsafe_fixes
+        self.fixable = fixable                  # None: every rule's fix
+        self.unfixable = list(unfixable or [])
         self._exclude = IgnorePatterns(self.root, self.exclude) if self.exclude else None
         self._dir_only = any(p.rstrip(" ").endswith("/") for p in self.exclude)
         self._per_file = [(IgnorePatterns(self.root, [pattern.lstrip("!")]), pattern.startswith("!"), tuple(codes))
@@ -155,6 +164,12 @@ def _validate(path: str, table: dict) -> dict:
             fail(key, f"unknown key{hint}; known keys: {', '.join(KEYS)}")
         if key in ("select", "ignore"):
             out[key] = codes(key, value)
+        elif key in ("fixable", "unfixable"):
+            out[key] = codes(key, value)
+        elif key in ("fix", "unsafe-fixes"):
+            if not isinstance(value, bool):
+                fail(key, f"expected true or false, got {value!r}")
+            out[key.replace("-", "_")] = value
         elif key in ("exclude", "extend-exclude"):
             patterns = strings(key, value)
             bad = IgnorePatterns(".", patterns).invalid

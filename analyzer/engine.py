@@ -43,9 +43,11 @@ class RuleContext:
     def flows(self) -> list:
         return self.program.flows()
 
-    def report(self, rule, module, node, message: str, fix: str = "") -> None:
+    def report(self, rule, module, node, message: str, fix: str = "", autofix=None) -> None:
+        """``autofix``: a callable returning the fix (analyzer/fix/), called only for a finding that is
+        reported, after its module is known to be linted."""
         if module is not None and module.linted and node is not None:
-            self.raw.append((rule, module, node, message, fix))
+            self.raw.append((rule, module, node, message, fix, autofix))
 
     def node(self, flow, site):
         """(module, node) recorded for a site."""
@@ -112,14 +114,15 @@ def analyse(project, rules: Sequence, keep: Optional[list] = None, skip=frozense
 def _positioned(raw: list) -> dict:
     out: dict = {}
     seen = set()
-    for rule, module, node, message, fix in raw:
+    for rule, module, node, message, fix, autofix in raw:
         (line, column), (end_line, end_column) = position(module, node)
         key = (module.path, rule.code, line, column)
         if key in seen:
             continue
         seen.add(key)
         out.setdefault(module.path, []).append(Finding(rule.code, rule.name, rule.severity, module.path, line, column,
-                                                       end_line, end_column, message, fix))
+                                                       end_line, end_column, message, fix,
+                                                       autofix=autofix() if autofix is not None else None))
     for findings in out.values():
         findings.sort(key=lambda f: (f.line, f.column, f.code))
     return out

@@ -20,6 +20,9 @@ class Finding(NamedTuple):
     message: str
     fix: str = ""
     cell: Optional[int] = None   # notebooks: 1-based cell number; line is then the line in the cell
+    # the automatic fix (analyzer/fix/): {"applicability", "message", "edits"} in ruff's shape, or
+    # {"reason"} when none can be proven right; None for a rule that has no fix
+    autofix: Optional[dict] = None
 
     def to_json(self) -> dict:
         data = dict(self._asdict())
@@ -44,3 +47,5 @@ class LintResult:
         self.errors: list = []
         self.parsed = 0          # files that needed a parse (the rest were filtered out by their words)
         self.cached = 0          # files whose result came from the cache
+        self.fixed = 0           # findings --fix fixed
+        self.fix_options = None  # analyzer.fix.apply.FixOptions: which fixes are enabled (for the report)

@@ -54,6 +54,8 @@ def render(result: LintResult, fmt: str, out: TextIO = sys.stdout, statistics: b
 
 
 def _summary_plain(result: LintResult, out: TextIO) -> None:
+    if result.fixed:
+        out.write(_fixed_line(result) + "\n")
     if not result.findings and not result.errors:
         out.write(f"All checks passed! ({_files(result.files)} checked)\n")
         return
@@ -63,6 +65,35 @@ def _summary_plain(result: LintResult, out: TextIO) -> None:
               f"{n - errors} warning{'s' if n - errors != 1 else ''})"
               f"{f' and {len(result.errors)} unreadable file' + ('s' if len(result.errors) != 1 else '') if result.errors else ''}"
               f" in {_files(result.files)}.\n")
+    line = _fixable_line(result)
+    if line:
+        out.write(line + "\n")
+
+
+def _options(result):
+    options = getattr(result, "fix_options", None)
+    if options is None:
+        from synccheck.analyzer.fix.apply import FixOptions
+        options = result.fix_options = FixOptions()
+    return options
+
+
+def _fixed_line(result) -> str:
+    n = result.fixed
+    return f"Fixed {n} problem{'s' if n != 1 else ''}."
+
+
+def _fixable_line(result) -> str:
+    """ruff's "[*] N fixable with the --fix option (M hidden fixes can be enabled with ...)"."""
+    if not result.findings:
+        return ""
+    options = _options(result)
+    fixable = sum(1 for f in result.findings if options.enabled(f))
+    hidden = sum(1 for f in result.findings if options.hidden(f))
+    more = f"{hidden} hidden fix{'es' if hidden != 1 else ''} can be enabled with --unsafe-fixes"
+    if fixable:
+        return f"[*] {fixable} fixable with --fix" + (f" ({more})" if hidden else "")
+    return f"No fixes available ({more})." if hidden else ""
 
 
 def _files(n: int) -> str:
@@ -73,8 +104,11 @@ def _full(result: LintResult, out: TextIO, quiet: bool = False) -> None:
     if not result.findings and not result.errors:
         # a clean run must stay fast (pre-commit): no rich import for one line
         if not quiet:
+            if result.fixed:
+                out.write(_fixed_line(result) + "\n")
             out.write(f"All checks passed! ({_files(result.files)} checked)\n")
         return
+    options = _options(result)
     from rich.console import Console
     from rich.text import Text
 
@@ -105,12 +139,21 @@ def _full(result: LintResult, out: TextIO, quiet: bool = False) -> None:
             console.print(Text(f"  {'':>{width}} | ", style="dim") + Text(caret, style=f"bold {color}"))
         if f.fix:
             console.print(Text("  fix: ", style="bold cyan") + Text(f.fix))
+        auto = f.autofix or {}
+        if options.enabled(f):
+            console.print(Text("  [*] ", style="bold cyan") + Text(f"{auto['message']} (fixable with --fix)"))
+        elif options.hidden(f):
+            console.print(Text("  [*] ", style="dim") + Text(f"{auto['message']} (unsafe fix: --fix --unsafe-fixes)"))
+        elif auto.get("reason") and options.selected(f.code):
+            console.print(Text("  no automatic fix: ", style="dim") + Text(auto["reason"]))
         console.print()
     for e in result.errors:
         console.print(Text(f"{e.path}: ", style="bold") + Text("error: ", style="bold red") + Text(e.message))
     if quiet:
         return
     buf = Text()
+    if result.fixed:
+        buf.append(_fixed_line(result) + "\n", style="bold")
     n, errors = len(result.findings), sum(1 for f in result.findings if f.severity == "error")
     if n:
         buf.append(f"Found {n} problem{'s' if n != 1 else ''}", style="bold")
@@ -119,6 +162,9 @@ def _full(result: LintResult, out: TextIO, quiet: bool = False) -> None:
         buf.append((" and " if n else "") + f"{len(result.errors)} unreadable file{'s' if len(result.errors) != 1 else ''}",
                    style="bold")
     buf.append(f" in {_files(result.files)}.")
+    line = _fixable_line(result)
+    if line:
+        buf.append("\n" + line)
     console.print(buf)
 
 
@@ -211,8 +257,22 @@ def _statistics(result: LintResult, out: TextIO) -> None:
 
 def to_json(result: LintResult) -> dict:
     return {"version": 1, "files": result.files,
-            "findings": [f.to_json() for f in result.findings],
+            "findings": [_public(f) for f in result.findings],
             "errors": [e.to_json() for e in result.errors]}
+
+
+def _public(f) -> dict:
+    """A finding as JSON: ``fix`` in ruff's shape. A finding with no automatic fix keeps its advice as
+    a fix that is only displayed ("display-only", ruff's third applicability), with the reason."""
+    row = f.to_json()
+    auto = row.pop("autofix", None) or {}
+    if auto.get("edits"):
+        row["fix"] = {"applicability": auto["applicability"], "message": auto["message"], "edits": auto["edits"]}
+    else:
+        reason = auto.get("reason")
+        message = f.fix + (f" (no automatic fix: {reason})" if reason else "")
+        row["fix"] = {"applicability": "display-only", "message": message, "edits": []}
+    return row
 
 
 def _artifact(path: str) -> dict:

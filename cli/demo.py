@@ -33,7 +33,9 @@ VARIANTS: list[tuple[str, str, str]] = [
     ("no_sync", "no_sync.py", "no_sync() around forward and backward"),
     ("accumulate", "accumulate.py", "synccheck.runtime.GradientAccumulator"),
     ("local_sgd", "local_sgd.py", "synccheck.runtime.LocalSGD: average parameters every K steps"),
+    ("baseline_fixed", "baseline.py", "baseline.py as `synccheck lint --fix` rewrites it"),
 ]
+FIXED = {"baseline_fixed"}     # variants run from a copy of their script that `--fix` rewrote
 ACCUM = 4          # micro-steps per optimizer step (the examples' default; the Accelerate guide accumulates 4)
 EVERY = 4          # local SGD: optimizer steps between parameter averagings (K of K-batch synchronous SGD)
 RESULT_PREFIX = "EXAMPLE_RESULT "
@@ -41,7 +43,7 @@ VARIANT_TIMEOUT_S = 600
 
 USAGE = "synccheck demo [--json PATH] [--ranks N] [--steps N] [--width W] [--where]"
 DESCRIPTION = """\
-Run a gradient-accumulation experiment on this machine, on CPU (gloo): five versions of one training
+Run a gradient-accumulation experiment on this machine, on CPU (gloo): six versions of one training
 loop, each linted, run under `synccheck profile` and timed. Shows the sync misuse the linter finds in
 the source, what the profiler counts at run time, and what it costs. The first four are the setups
 timed in the Hugging Face Accelerate guide "Gradient synchronization"
@@ -138,6 +140,23 @@ def torch_available() -> bool:
         return importlib.util.find_spec("torch") is not None
     except (ImportError, ValueError):    # sys.modules["torch"] is None: torch is blocked
         return False
+
+
+def fixed_copies(folder: Path, into: Path, scripts: set) -> Path:
+    """``scripts`` copied into ``into`` (with the examples' common.py) and fixed as `synccheck lint --fix`
+    would (the safe fixes, checked before they are written)."""
+    import shutil
+
+    from synccheck.analyzer.fix.apply import FixOptions, fix_text
+    from synccheck.analyzer.rules import ALL_RULES
+
+    into.mkdir(parents=True, exist_ok=True)
+    shutil.copy(folder / "common.py", into / "common.py")
+    for name in scripts:
+        text = (folder / name).read_text()
+        new, _, _ = fix_text(str(into / name), text, list(ALL_RULES), FixOptions())
+        (into / name).write_text(new)
+    return into
 
 
 def lint_codes(path: Path) -> list[str]:
@@ -349,11 +368,12 @@ def demo_main(argv: list[str]) -> int:
                         console=Console(stderr=True), transient=True)
     with progress, tempfile.TemporaryDirectory(prefix="synccheck-demo-") as tmp:
         task = progress.add_task("linting the examples", total=len(rows))
+        fixed = fixed_copies(folder, Path(tmp) / "fixed", {r.script for r in rows if r.variant in FIXED})
         for row in rows:
-            row.lint_codes = lint_codes(folder / row.script)
+            row.lint_codes = lint_codes((fixed if row.variant in FIXED else folder) / row.script)
         for row in rows:
             progress.update(task, description=f"{row.variant}: profiling on {args.ranks} gloo ranks")
-            run_variant(row, folder / row.script, args, tmp)
+            run_variant(row, (fixed if row.variant in FIXED else folder) / row.script, args, tmp)
             progress.advance(task)
     baseline = rows[0].seconds_per_optimizer_step
     for row in rows:

@@ -28,7 +28,10 @@ def test_findings_exit_1_and_json_shape(tmp_path):
                       "message", "fix"}
     assert (f["code"], f["name"], f["severity"], f["line"], f["column"]) == (
         "SC101", "sync-every-microstep", "warning", 5, 5)
-    assert f["path"].endswith("train.py") and "no_sync" in f["fix"]
+    assert f["path"].endswith("train.py") and "no_sync" in f["fix"]["message"]
+    # ruff's shape: an applicability and edits with 1-based ranges
+    assert f["fix"]["applicability"] == "safe" and f["fix"]["edits"]
+    assert set(f["fix"]["edits"][0]) == {"content", "location", "end_location"}
 
 
 def test_clean_exit_0(tmp_path):

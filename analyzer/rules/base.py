@@ -22,10 +22,12 @@ class Rule:
     # word of ``words`` (when given). Most files of a code base fail this test and are never parsed.
     requires: ClassVar[tuple] = ()
     words: ClassVar[tuple] = ()
-    # Documentation, ruff's headings: What it does / Why is this bad? / Example / Use instead / References
+    # Documentation, ruff's headings: What it does / Why is this bad? / Example / Use instead / Fix safety /
+    # References
     what: ClassVar[str] = ""
     why: ClassVar[str] = ""
     use_instead: ClassVar[str] = ""
+    fix_safety: ClassVar[str] = "There is no automatic fix for this rule."
     references: ClassVar[tuple] = ()
     # Examples: VALID must produce no finding of this rule; in INVALID every line that must be
     # reported ends with a ``# SCxxx`` comment. The first of each is the documentation's example.
@@ -78,6 +80,7 @@ class Rule:
                 parts += [textwrap.dedent(cls.use_instead).strip(), ""]
             if fixed:
                 parts += ["```python", fixed, "```", ""]
+        parts += ["## Fix safety", textwrap.dedent(cls.fix_safety).strip(), ""]
         if cls.references:
             parts += ["## References"] + [f"- {ref}" for ref in cls.references] + [""]
         return "\n".join(parts)

@@ -32,6 +32,19 @@ class SyncEveryMicrostep(Rule):
         optimizer step. `synccheck.runtime.GradientAccumulator` does this on DDP, FSDP and a single
         process; with Accelerate use `accelerator.accumulate(model)`.
     """
+    fix_safety = """
+        `--fix` turns sync off for every micro-step but the boundary, using the loop's own condition
+        for the optimizer step: `with (contextlib.nullcontext() if <boundary> else model.no_sync()):`
+        around the forward and backward (DDP, FSDP), `model.require_backward_grad_sync = (micro_step ==
+        n - 1)` before the forward of an inner micro-step loop (DDP), `model.set_requires_gradient_sync(
+        <boundary>)` (FSDP2), `with fabric.no_backward_sync(model, enabled=not <boundary>):` (Fabric).
+        These fixes are safe: the boundary all-reduce sums the same gradients the N all-reduces did.
+        On Accelerate the fix (`with accelerator.accumulate(model):` and `gradient_accumulation_steps=`
+        where the Accelerator is built) is unsafe: `accelerator.backward` then divides the loss by that
+        count, and Accelerate's own counter decides the boundary. No fix is offered when the boundary
+        cannot be read off the code (a condition that calls a function or changes between the forward
+        and the step), or when the forward, the backward and the step are not in one function.
+    """
     references = ("PyTorch, `DistributedDataParallel.no_sync`: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync",
                   "Hugging Face Accelerate, Gradient synchronization (its timing table): https://huggingface.co/docs/accelerate/concept_guides/gradient_synchronization#just-how-much-of-a-slowdown-is-there-and-easy-mistakes-you-can-make")
     INVALID = ("""
@@ -128,6 +141,7 @@ class SyncEveryMicrostep(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.facts import wasted
 
         for flow in ctx.flows:
@@ -142,4 +156,5 @@ class SyncEveryMicrostep(Rule):
                 else:
                     msg = (f"`{name}` all-reduces gradients on every micro-step of this accumulation loop, though "
                            f"the optimizer steps only every few: N-1 of every N all-reduces are wasted")
-                ctx.report(self, module, node, msg, FIX)
+                ctx.report(self, module, node, msg, FIX,
+                           autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))

@@ -26,6 +26,13 @@ class NoSyncMissesForward(Rule):
     use_instead = """
         Put the forward inside the context too, or set the flag before calling the model.
     """
+    fix_safety = """
+        `--fix` moves the control so it covers the forward: the condition that held the control
+        becomes `with (model.no_sync() if <condition> else contextlib.nullcontext()):` around the
+        forward and the branch, which keeps the numbers the same (safe). A `require_backward_grad_sync`
+        assignment moves above the forward; that fix is unsafe, because the boundary micro-step, which
+        did not sync before, now does.
+    """
     references = ("PyTorch, `DistributedDataParallel.no_sync`: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync",
                   "Hugging Face Accelerate, Gradient synchronization (its timing table): https://huggingface.co/docs/accelerate/concept_guides/gradient_synchronization#just-how-much-of-a-slowdown-is-there-and-easy-mistakes-you-can-make")
     INVALID = ("""
@@ -94,22 +101,27 @@ class NoSyncMissesForward(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.facts import missed_forward
 
         for flow in ctx.flows:
             for by, site, model, kind in missed_forward(flow):
                 module, node = ctx.node(flow, by)
+                autofix = (lambda flow=flow, by=by, site=site, model=model, kind=kind:
+                           plan.missed(flow, by, site, model, kind))
                 if kind == "flag":
                     ctx.report(self, module, node,
                                "`require_backward_grad_sync` is set after the forward: DDP read the flag when the "
                                "forward ran, so this write only takes effect at the next micro-step. The boundary "
                                "backward runs with the value the previous micro-step left (no sync): its gradients "
                                "are never all-reduced and the ranks diverge, while the micro-step after it syncs "
-                               "for nothing", "set the flag before calling the model")
+                               "for nothing", "set the flag before calling the model",
+                               autofix=autofix)
                 else:
                     how = ctx.text(module, node)
                     how = how.splitlines()[0].rstrip(":").removeprefix("with ").strip() if how else "no_sync()"
                     ctx.report(self, module, node,
                                f"`{how}` is entered after the forward ran: DDP decided at forward time that this "
                                f"backward all-reduces, so the context does nothing and every micro-step still "
-                               f"synchronizes", "move the forward (the `model(...)` call) inside the same context")
+                               f"synchronizes", "move the forward (the `model(...)` call) inside the same context",
+                               autofix=autofix)

@@ -30,6 +30,12 @@ class UnsyncedStep(Rule):
         Sync exactly on the micro-step whose backward is followed by the optimizer step, using the
         same condition for both.
     """
+    fix_safety = """
+        `--fix` makes the sync condition the optimizer step's condition (the `if` around `no_sync()`,
+        the test of a conditional context, a flag's value, or a conditional around an unconditional
+        `no_sync()`). Unsafe: the boundary micro-step now all-reduces, so the weights change (they stop
+        diverging across ranks). No fix when the forward and the backward sit in different contexts.
+    """
     references = ("PyTorch, `DistributedDataParallel.no_sync`: https://pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html#torch.nn.parallel.DistributedDataParallel.no_sync",)
     INVALID = ("""
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,6 +128,7 @@ class UnsyncedStep(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.facts import unsynced_steps
 
         for flow in ctx.flows:
@@ -129,13 +136,15 @@ class UnsyncedStep(Rule):
                 module, node = ctx.node(flow, token.site)
                 step_module, step_node = ctx.node(flow, step_site)
                 step = ctx.text(step_module, step_node) if step_node is not None else "optimizer.step()"
+                autofix = (lambda flow=flow, pop=outcomes, token=token, step_site=step_site:
+                           plan.unsynced(flow, pop, token, step_site))
                 if token.forward_outside:
                     how = ctx.control_text(flow, token.by)
                     ctx.report(self, module, node,
                                f"the forward of this micro-step ran inside `{how}` but this backward runs "
                                f"outside it: DDP decides at forward time, so these gradients are never "
                                f"all-reduced and the optimizer steps on each rank's own gradients; ranks "
-                               f"silently diverge", FIX)
+                               f"silently diverge", FIX, autofix=autofix)
                     continue
                 how = ctx.control_text(flow, token.by)
                 every = all(t.synced == "off" for t, *_ in outcomes.records)
@@ -150,4 +159,4 @@ class UnsyncedStep(Rule):
                 ctx.report(self, at_module or module, at_node or node,
                            f"{detail}: the optimizer steps on gradients that were never all-reduced, so each "
                            f"rank applies a different update and the replicas silently diverge",
-                           FIX)
+                           FIX, autofix=autofix)

@@ -21,6 +21,9 @@ class NoSyncOnUnwrapped(Rule):
         as if it did not.
     """
     use_instead = "Call it on the object returned by the wrapper (`ddp_model.no_sync()`)."
+    fix_safety = """
+        There is no automatic fix: which object is the wrapper, and where it is visible, is for you to decide.
+    """
     INVALID = ("""
         from accelerate import Accelerator
 

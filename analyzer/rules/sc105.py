@@ -19,6 +19,11 @@ class AccumulateWithoutSteps(Rule):
         size, at full communication cost.
     """
     use_instead = "Pass `gradient_accumulation_steps=N` to `Accelerator(...)`."
+    fix_safety = """
+        `--fix` passes `gradient_accumulation_steps=<count>` to the file's one `Accelerator(...)` when the
+        file spells the count once, under a recognisable name (`args.gradient_accumulation_steps`). Unsafe:
+        Accelerate then skips sync and steps, and divides the loss, which changes training.
+    """
     references = ("Hugging Face Accelerate, Performing gradient accumulation: https://huggingface.co/docs/accelerate/usage_guides/gradient_accumulation",)
     INVALID = ("""
         from accelerate import Accelerator
@@ -68,10 +73,12 @@ class AccumulateWithoutSteps(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan_more
         from synccheck.analyzer.project.static import accumulate_without_steps
 
         for found in accumulate_without_steps(ctx.program):
             ctx.report(self, found.module, found.node,
                        f"`{found.accelerator_text}` was built without gradient_accumulation_steps, so accumulate() "
                        f"syncs and steps on every micro-batch: no accumulation happens",
-                       "pass gradient_accumulation_steps=N to Accelerator(...)")
+                       "pass gradient_accumulation_steps=N to Accelerator(...)",
+                       autofix=lambda found=found: plan_more.accumulate_steps(ctx.program, found))

@@ -20,6 +20,9 @@ class StaticGraphNoSync(Rule):
         every rank, often only once the full-size configuration is launched.
     """
     use_instead = "Let the first micro-step sync (`sync = i == 0 or (i + 1) % n == 0`), or drop static_graph."
+    fix_safety = """
+        There is no automatic fix: either drop `static_graph=True` or let the first iteration sync.
+    """
     references = ("pytorch/pytorch#143580, INTERNAL ASSERT with static_graph and no_sync: https://github.com/pytorch/pytorch/issues/143580",)
     INVALID = ("""
         from contextlib import nullcontext

@@ -20,6 +20,10 @@ class ZeroGradEveryMicrostep(Rule):
         was probably divided by N, and training quietly behaves like a tiny batch and learning rate.
     """
     use_instead = "Call `zero_grad()` right after `optimizer.step()`, inside the boundary branch."
+    fix_safety = """
+        `--fix` moves `zero_grad()` to just after the optimizer step (after `scaler.update()`). Unsafe:
+        the optimizer then sees the sum of every micro-step's gradients, not only the last one's.
+    """
     INVALID = ("""
         for i, (x, y) in enumerate(loader):
             optimizer.zero_grad()  # SC201
@@ -56,6 +60,7 @@ class ZeroGradEveryMicrostep(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan_more
         from synccheck.analyzer.project.facts import wiped
 
         for flow in ctx.flows:
@@ -64,4 +69,5 @@ class ZeroGradEveryMicrostep(Rule):
                 ctx.report(self, module, node,
                            f"`{ctx.text(module, node)}` runs on every micro-step of this accumulation loop: it wipes "
                            f"the gradients accumulated so far, so the optimizer only ever sees the last micro-batch",
-                           "move zero_grad() next to optimizer.step(), inside the boundary branch")
+                           "move zero_grad() next to optimizer.step(), inside the boundary branch",
+                           autofix=lambda flow=flow, pop=outcomes, site=site: plan_more.wiped(flow, pop, site))

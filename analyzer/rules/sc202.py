@@ -25,6 +25,10 @@ class UnscaledAccumulatedLoss(Rule):
         `synccheck.runtime.GradientAccumulator`, whose `backward()` divides by the real window size
         (a partial last window included).
     """
+    fix_safety = """
+        `--fix` divides the loss by the count the step's condition uses (`(loss / accum_steps).backward()`).
+        Unsafe: the update becomes N times smaller. No fix when the condition does not spell the count.
+    """
     references = ("Multiple GPU training in PyTorch and Gradient Accumulation as an alternative to it (Towards Data Science, 2023): https://towardsdatascience.com/multiple-gpu-training-in-pytorch-and-gradient-accumulation-as-an-alternative-to-it-e578b3fc5b91",)
     INVALID = ("""
         for i, (x, y) in enumerate(loader):
@@ -73,6 +77,7 @@ class UnscaledAccumulatedLoss(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan_more
         from synccheck.analyzer.project.facts import accumulating_backwards
 
         for flow in ctx.flows:
@@ -86,7 +91,8 @@ class UnscaledAccumulatedLoss(Rule):
                            "this loss reaches backward() undivided while gradients accumulate over several "
                            "micro-steps: the step applies the sum of N gradients, an N-times larger update than "
                            "the large-batch training it stands for",
-                           "divide the loss by the number of micro-steps (`loss / accum_steps`)")
+                           "divide the loss by the number of micro-steps (`loss / accum_steps`)",
+                           autofix=lambda flow=flow, site=site, info=info: plan_more.unscaled(flow, site, info))
 
 
 def _grads_rescaled(flow) -> bool:

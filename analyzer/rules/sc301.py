@@ -203,6 +203,9 @@ class CollectiveInRankBranch(Rule):
         30 minutes later, with no pointer to the cause. `synccheck profile --hang-timeout` shows it.
     """
     use_instead = "Run the collective on every rank: move it after the rank-0 block."
+    fix_safety = """
+        There is no automatic fix: moving a collective out of a rank branch changes what every rank runs.
+    """
     INVALID = ("""
         import torch.distributed as dist
 

@@ -18,6 +18,10 @@ class SamplerWithoutSetEpoch(Rule):
         asked for happens once, and training generalises worse.
     """
     use_instead = "Call `sampler.set_epoch(epoch)` at the start of each epoch, before iterating the loader."
+    fix_safety = """
+        `--fix` calls `sampler.set_epoch(epoch)` first thing in the epoch loop of the same function.
+        Unsafe: every epoch after the first sees a different order than before.
+    """
     references = ("PyTorch, `DistributedSampler` (and `set_epoch`): https://pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler",)
     INVALID = ("""
         from torch.utils.data import DataLoader, DistributedSampler
@@ -48,9 +52,11 @@ class SamplerWithoutSetEpoch(Rule):
     """)
 
     def check(self, ctx):
+        from synccheck.analyzer.fix import plan_more
         from synccheck.analyzer.project.static import samplers_without_set_epoch
 
         for found in samplers_without_set_epoch(ctx.program):
             ctx.report(self, found.module, found.node,
                        f"`{found.name}` is a DistributedSampler but set_epoch() is never called: every epoch replays "
-                       f"the same order on every rank", f"call `{found.name}.set_epoch(epoch)` at the start of each epoch")
+                       f"the same order on every rank", f"call `{found.name}.set_epoch(epoch)` at the start of each epoch",
+                       autofix=lambda found=found: plan_more.set_epoch(ctx.program, found))

@@ -1,0 +1,10 @@
+"""Autofix: ``synccheck lint --fix``.
+
+A rule that can prove its rewrite attaches a *plan* to its finding: a few operations on statements
+and expressions of the file (wrap these statements in a ``with``, insert this line before the
+forward, move this call), located by the positions the training-loop model recorded. ``plan.py``
+turns the model's facts into plans, ``rewrite.py`` carries them out on a libcst tree (which keeps
+comments, formatting and the file's line endings) and reports the result as ruff-style text edits;
+``apply.py`` checks and writes them (``--fix``, ``--diff``). Nothing here imports torch or runs the
+code it rewrites.
+"""
