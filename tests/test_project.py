@@ -233,7 +233,8 @@ def test_relative_import_of_the_loop(tmp_path):
 
 
 def test_trainer_methods_with_a_sync_helper_around_backward_only(tmp_path):
-    # the helper flips require_backward_grad_sync around backward() only: DDP already decided
+    # the helper flips require_backward_grad_sync around backward() only: DDP already decided. The
+    # finding is at the `with` that enters the helper, where the fix goes (cover the forward too)
     check_project(tmp_path, {"trainer.py": """
         import contextlib
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -246,7 +247,7 @@ def test_trainer_methods_with_a_sync_helper_around_backward_only(tmp_path):
 
             @contextlib.contextmanager
             def maybe_sync(self, sync):
-                self.model.require_backward_grad_sync = sync  # SC102
+                self.model.require_backward_grad_sync = sync
                 yield
                 self.model.require_backward_grad_sync = True
 
@@ -255,7 +256,7 @@ def test_trainer_methods_with_a_sync_helper_around_backward_only(tmp_path):
                 self._backward_loss(loss, sync)
 
             def _backward_loss(self, loss, sync):
-                with self.maybe_sync(sync):
+                with self.maybe_sync(sync):  # SC102
                     loss.backward()
 
             def train(self, loader):

@@ -85,7 +85,8 @@ def expr(flow, node, st, fr) -> EnvVal:
             return st.env[dotted]
         recv = expr(flow, node.value, st, fr)
         vals = flow.values.attribute(recv.values, node.attr, node, fr.scope)
-        if node.attr == "no_sync":
+        if node.attr == "no_sync" and not any(isinstance(v, Inst) and flow.project.attribute(v.cls, "no_sync")
+                                              is not None for v in recv.values):
             vals = frozenset(v for v in vals if not isinstance(v, CtxFactory)) | {
                 FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node), _text(fr, node))}
         version = st.env[dotted].version if dotted in st.env else 0
@@ -356,7 +357,8 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
     return result
 
 
-def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=None) -> Optional[EnvVal]:
+def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=None,
+           control=None) -> Optional[EnvVal]:
     """Analyse ``fn`` in place with the caller's state; None when it cannot matter or cannot be followed."""
     carries = any(a.prov or flow.program.wrappers(a.values) for a in list(args) + list(kws.values()))
     if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
@@ -394,6 +396,8 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     from synccheck.analyzer.project.syncflow import Frame, St
     frame = Frame(fn, fr.depth + 1, fr.stack + (fn.uid,), fr.no_grad)
     frame.yield_handler = yield_handler
+    # a flag a @contextmanager helper writes is the caller's ``with helper(...)``: reported there
+    frame.control = control or fr.control
     if any(_deco(d) in ("no_grad", "inference_mode") for d in fn.node.decorator_list):
         frame.no_grad += 1
     flow.call_stack.append((fr.module, node))
@@ -768,8 +772,9 @@ def zero_grad(flow, node, vals: frozenset, st, fr) -> None:
 def flag(flow, node, models: frozenset, cond: tuple, st, fr) -> None:
     if not models:
         return
-    site = site_of(fr.module, node)
-    flow.records.node(site, fr.module, node)
+    at_module, at_node = fr.control or (fr.module, node)
+    site = site_of(at_module, at_node)
+    flow.records.node(site, at_module, at_node)
     true, false = cond
 
     def transfer(prop, guard):
@@ -898,7 +903,8 @@ def _run_helper(flow, s, i, helper: FlowHelper, st, fr, owner: int):
     if fn.uid in fr.stack or fr.depth >= 8:
         return _enter(flow, s, i + 1, st, fr, owner)
     result_st = St(dict(st.props), caller_env)
-    inline(flow, fn, node, receiver, args, kws, result_st, fr, yield_handler=at_yield)
+    inline(flow, fn, node, receiver, args, kws, result_st, fr, yield_handler=at_yield,
+           control=(fr.module, node))
     if not envs:
         return None if not result_st.props else St(result_st.props, caller_env)
     env = envs[0]

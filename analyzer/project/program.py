@@ -9,6 +9,7 @@ is seen whole. Findings are kept only where their node is: in a linted file.
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -24,6 +25,7 @@ EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate
 MAX_ROOT_WORK = 400_000
 # a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
 # sync control is where the schedule is)
+_CALL_NAME = re.compile(r"([A-Za-z_]\w*)\s*\(")
 ROOT_WORDS = ("step", "zero_grad", "no_sync", "backward", "accumulate", "require_backward_grad_sync")
 WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "prepare",
                         "prepare_model", "setup", "setup_module", "initialize"))
@@ -41,6 +43,8 @@ class Program:
         self._flows = None
         self.incomplete: list = []      # roots whose analysis hit a budget
         self._no_sync = None
+        self._eventful: set = set()      # names of project functions that say ROOT_WORDS
+        self._eventful_seen = 0
 
     def close(self) -> None:
         """Let go of everything (see Project.close): flows point back at this program."""
@@ -96,13 +100,26 @@ class Program:
                 for fn in list(module.functions.values()):
                     # words first: most functions with a loop say nothing a training loop says
                     segment = module.segment(fn.node)
-                    if ("for " in segment or "while " in segment) and any(w in segment for w in ROOT_WORDS) \
+                    if ("for " in segment or "while " in segment) and (
+                            any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment)) \
                             and _has_loop(fn.node.body) and self._loop_reaches_backward(fn.node.body, fn):
                         out.append(fn)
                 top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                            ast.ClassDef))]
                 if _has_loop(top) and self._loop_reaches_backward(top, module):
                     out.append(module)
+
+    def _calls_eventful(self, segment: str) -> bool:
+        """Does this code call, by name, a function of the project whose text says a training loop's
+        words (``self.fit_batch(batch)`` where fit_batch runs the backward)?"""
+        modules = self.project.modules()
+        if self._eventful_seen < len(modules):
+            for module in modules[self._eventful_seen:]:
+                for fn in module.functions.values():
+                    if fn.node.name not in self._eventful and any(w in module.segment(fn.node) for w in ROOT_WORDS):
+                        self._eventful.add(fn.node.name)
+            self._eventful_seen = len(modules)
+        return not self._eventful.isdisjoint(_CALL_NAME.findall(segment))
 
     def _loop_reaches_backward(self, body, scope) -> bool:
         for loop in _loops(body):

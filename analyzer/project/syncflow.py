@@ -113,6 +113,7 @@ class Frame:
         self.loops: list = []
         self.no_grad = no_grad
         self.yield_handler = None
+        self.control = None             # (module, call) of the with helper(...) this frame runs for
         self.exitstacks: dict = {}      # ExitStack creation site -> the with statement that owns it
         self.gate = False               # inside a branch that decides whether the optimizer steps
 

@@ -122,6 +122,8 @@ def _rank_branch_calls(text: str) -> bool:
     for body in _rank_blocks(text):
         if COLLECTIVE_CALL.search(body):
             return True
+        if body.strip().startswith("return"):
+            return True     # ``if not is_main: return``: what follows runs on one side only
         if runs is None:
             runs = _CollectiveFunctions(text)
         if runs.any_runs(set(CALLED.findall(body))):
