@@ -729,27 +729,46 @@ def step(flow, node, optims: frozenset, st, fr) -> None:
     site = site_of(fr.module, node)
     flow.records.node(site, fr.module, node)
     models = _owned(flow, frozenset(v for v in optims if isinstance(v, (Optim, Wrapper))))
+    # an optimizer accelerate prepared steps, inside ``accelerator.accumulate``, only when
+    # ``accelerator.sync_gradients`` holds: off the boundary the step is a no-op
+    managed = bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)
+    gate = _sync_gradients_atom(flow) if managed else None
 
     loops = tuple(flow.loop_stack)
 
     def transfer(prop, guard):
         flow.records.reached(site, guard)
-        kept = []
-        for token in prop.tokens:
-            if models is None or token.model in models or token.model == PLAIN:
-                # a step in a loop the backward is not in (a later training phase) is no boundary of it
-                kind = "stepped" if loops == token.loops[:len(loops)] else "elsewhere"
-                flow.records.resolve(token, kind, site, guard)
-            else:
-                kept.append(token)
-        yield prop._replace(tokens=tuple(kept)), guard
+        mine = [t for t in prop.tokens if models is None or t.model in models or t.model == PLAIN]
+        if gate is not None and any(t.synced == "managed" for t in mine):
+            branches = ((guard & flow.atoms.formula(gate, True), True), (guard & flow.atoms.formula(gate, False), False))
+        else:
+            branches = ((guard, True),)
+        for g, taken in branches:
+            if not g:
+                continue
+            kept = []
+            for token in prop.tokens:
+                if token in mine and (taken or token.synced != "managed"):
+                    # a step in a loop the backward is not in (a later training phase) is no boundary of it
+                    kind = "stepped" if loops == token.loops[:len(loops)] else "elsewhere"
+                    flow.records.resolve(token, kind, site, g)
+                else:
+                    kept.append(token)
+            yield prop._replace(tokens=tuple(kept)), g
 
     _each(st, transfer)
 
 
+def _sync_gradients_atom(flow):
+    atom = flow.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
+    if atom is not None:
+        flow.note_atom(atom, (), True)
+    return atom
+
+
 def zero_grad(flow, node, vals: frozenset, st, fr) -> None:
     if any(isinstance(v, Optim) and v.managed for v in vals) or \
-            any(isinstance(v, Wrapper) and v.kind in ("deepspeed", "accelerate") for v in vals):
+            any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
         return
     site = site_of(fr.module, node)
     flow.records.node(site, fr.module, node)

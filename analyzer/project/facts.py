@@ -88,7 +88,10 @@ class Population:
         # (token, kind, resolver, across, guard). Only what happens *between* micro-steps tells their
         # kind: a backward superseded within its own iteration (two losses of one step, a GAN's
         # generator loss through D) says nothing about accumulation, nor does a shared backward.
-        records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)]
+        # Under ``accelerator.accumulate`` the step itself is gated, so a wipe later in the same
+        # iteration (``model.zero_grad()`` after ``optimizer.step()``) throws the window away.
+        records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
+                   or (r[1] == "wiped" and r[0].synced == "managed" and not r[0].shared)]
         self.records = records
         atoms = len(flow.atoms.atoms)
         self.width_mask = (1 << (1 << atoms)) - 1 if atoms < MAX_ATOMS else -1
@@ -101,7 +104,7 @@ class Population:
         # a step gated by a counter (``(i + 1) % n == 0``, the last micro-step, ``micro == accum``)
         # means to accumulate; one gated by any other test (``if should_update(...)``) skips steps
         self.periodic = any(_periodic(flow.atoms.atoms[k]) for k in self.gate)
-        kinds = {kind for _, kind, _, across, _ in records if across}
+        kinds = {kind for token, kind, _, across, _ in records if across or token.synced == "managed"}
         self.accumulating = bool(self.stepped) and ("superseded" in kinds or ("wiped" in kinds and self.periodic))
 
     @property
@@ -195,9 +198,9 @@ def wiped(flow) -> list:
     has its gradients thrown away before the step: SC201's fact."""
     out = []
     for pop in populations(flow):
-        if not pop.stepped or pop.managed or not pop.accumulating:
+        if not pop.stepped or not pop.accumulating:
             continue
-        if not any(kind == "wiped" and across for _, kind, _, across, _ in pop.records):
+        if not any(kind == "wiped" and (across or t.synced == "managed") for t, kind, _, across, _ in pop.records):
             continue
         for group, outcomes in pop.groups(NON_BOUNDARY).items():
             if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
