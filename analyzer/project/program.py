@@ -128,6 +128,9 @@ class Program:
             # the backward may be in a callable the loop holds as a value (MAE's ``loss_scaler(...)``)
             if steps and ("backward" in words or "call" in words):
                 return True
+            # micro-batches in an inner loop, one step after it (fairseq's ``train_step``)
+            if "backward" in words and "step" in self.words(body, scope):
+                return True
         return False
 
     # -- words: what a block of code may do, through the project functions it calls -------------------
@@ -274,6 +277,8 @@ class Program:
                 kind = inferred.get(v.site)
                 if kind:
                     out.add(Wrapper(kind, v.site))
+                # fully_shard(model) makes model itself the FSDP2 module, even inside a helper
+                out.update(w for w in self.wrapping().get(v, ()) if w.kind == "fsdp2")
         return frozenset(out)
 
     def inferred(self) -> dict:
@@ -289,6 +294,8 @@ class Program:
                     if isinstance(call.func, ast.Attribute):
                         self._infer_from(self.values.expr(call.func.value, scope), kind, wrapped)
             for module in self.project.modules():
+                if "require_backward_grad_sync" not in module.text:
+                    continue
                 for scope in [module] + list(module.functions.values()):
                     info = self.values.info(scope)
                     for receiver, attr, _, _ in info.obj_attrs:
@@ -314,7 +321,8 @@ class Program:
                     if attr in ("DistributedDataParallel", "FullyShardedDataParallel"):
                         names.add(local)
             for name in names:
-                for scope, call in self.values.calls(name):
+                # fully_shard works in place, often inside a helper of another file: look there too
+                for scope, call in self.values.calls(name, load=name == "fully_shard"):
                     for v in self.values.expr(call, scope):
                         for w in _wrappers_in(v):
                             for inner in self.values.wrapped_by(w):
