@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,11 +48,38 @@ def extract(mirror: Path, repo: str, commit: str, work: Path) -> Path:
         return dest
     dest.mkdir(parents=True, exist_ok=True)
     gd = git_dir(mirror, repo)
-    archive = subprocess.run(["git", f"--git-dir={gd}", "archive", "--format=tar", commit],
-                             capture_output=True, check=True).stdout
-    # keep what the analysis reads: Python sources and the files that mark a project root
-    subprocess.run(["tar", "-x", "-C", str(dest), "--wildcards", "--no-anchored", "*.py", "pyproject.toml",
-                    "setup.py", "setup.cfg"], input=archive, capture_output=True)
+    # write the wanted blobs one by one from `git ls-tree`, so a mirror whose
+    # large binary blobs are absent (a partial snapshot: `git archive` fails on it) still extracts
+    names = subprocess.run(["git", f"--git-dir={gd}", "ls-tree", "-r", "-z", commit],
+                           capture_output=True, check=True).stdout.decode("utf-8", "replace").split("\0")
+    keep = []
+    for rec in names:
+        if not rec or "\t" not in rec:
+            continue
+        meta, path = rec.split("\t", 1)
+        mode, kind, sha = meta.split()
+        base = path.rsplit("/", 1)[-1]
+        if kind == "blob" and mode != "120000" and (base.endswith(".py") or base in ("pyproject.toml", "setup.py", "setup.cfg")):
+            keep.append((path, sha))
+    proc = subprocess.Popen(["git", f"--git-dir={gd}", "cat-file", "--batch"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    def feed():
+        proc.stdin.write("".join(sha + "\n" for _, sha in keep).encode())
+        proc.stdin.close()
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    for path, sha in keep:
+        header = proc.stdout.readline().decode()
+        if header.endswith("missing\n"):
+            continue
+        size = int(header.split()[2])
+        data = proc.stdout.read(size)
+        proc.stdout.read(1)
+        out = dest / path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    feeder.join()
+    proc.wait()
     done.write_text(commit)
     return dest
 
@@ -99,6 +127,8 @@ def main(argv=None) -> int:
     rows = []
     tp = fn = fp = 0
     missing = []
+    crashed = []
+    per_repo: dict = {}
     seconds = 0.0
     for e in entries:
         try:
@@ -110,15 +140,25 @@ def main(argv=None) -> int:
         if not target.exists():
             missing.append(f"{e['repo']}:{e['path']} (not in the tree at {e['commit'][:12]})")
             continue
-        if args.mode == "repo":
-            key = str(root)
-            if key not in repo_cache:
-                repo_cache[key] = lint(root, root)
-                seconds += repo_cache[key][1]
-            by_path = repo_cache[key][0]
-        else:
-            by_path, took = lint(target, target.parent)
-            seconds += took
+        try:
+            if args.mode == "repo":
+                key = str(root)
+                if key not in repo_cache:
+                    repo_cache[key] = lint(root, root)
+                    seconds += repo_cache[key][1]
+                    per_repo[key] = repo_cache[key][1]
+                    print(f"  [time] lint {root.name}: {repo_cache[key][1]:.1f} s", flush=True)
+                by_path = repo_cache[key][0]
+                took = repo_cache[key][1]
+            else:
+                by_path, took = lint(target, target.parent)
+                seconds += took
+                per_repo[str(root)] = per_repo.get(str(root), 0.0) + took
+                print(f"  [time] lint {e['path']}: {took:.1f} s", flush=True)
+        except RuntimeError as exc:  # a crash of synccheck on one repo is recorded, not fatal
+            crashed.append(f"{e['repo']}:{e['path']} ({str(exc)[-300:]})")
+            print(f"CRASH {e['repo']}:{e['path']}: {str(exc)[-300:]}", flush=True)
+            continue
         got = by_path.get(os.path.realpath(target), [])
         want = {x["code"] for x in e["expected"]}
         have = {f["code"] for f in got}
@@ -126,7 +166,8 @@ def main(argv=None) -> int:
         tp, fn, fp = tp + len(hits), fn + len(misses), fp + len(alarms)
         rows.append({"repo": e["repo"], "path": e["path"], "commit": e["commit"], "expected": sorted(want),
                      "found": sorted(have), "missed": sorted(misses), "false_alarms": sorted(alarms),
-                     "findings": [{"code": f["code"], "line": f["line"], "message": f["message"]} for f in got]})
+                     "findings": [{"code": f["code"], "line": f["line"], "message": f["message"]} for f in got],
+                     "lint_seconds": took})
         status = "ok  " if not misses and not alarms else "MISS" if misses and not alarms else \
             "FA  " if alarms and not misses else "BOTH"
         detail = ""
@@ -144,9 +185,12 @@ def main(argv=None) -> int:
           f"lint time {seconds:.1f} s")
     for m in missing:
         print(f"skipped: {m}")
+    for m in crashed:
+        print(f"crashed: {m}")
     if args.json:
         args.json.write_text(json.dumps({"mode": args.mode, "recall": recall, "precision": precision, "tp": tp,
-                                         "fn": fn, "fp": fp, "rows": rows}, indent=2))
+                                         "fn": fn, "fp": fp, "rows": rows,
+                                         "per_repo_seconds": per_repo, "crashed": crashed, "skipped": missing}, indent=2))
     return 0
 
 
