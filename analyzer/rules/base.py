@@ -53,18 +53,6 @@ class Rule:
         project (a rank branch calling an imported helper): parsed with the files it imports."""
         return False
 
-    # Words that make a function worth parsing for this rule (its callers and callees come along):
-    # ``anchors`` anywhere in the function, ``loop_anchors`` only inside a loop (or a function a loop
-    # calls). An accumulation rule needs a loop that runs backward; a function that runs backward
-    # once is of no interest to it.
-    anchors: ClassVar[tuple] = ()
-    loop_anchors: ClassVar[tuple] = ()
-    branch_anchors: ClassVar[tuple] = ()       # ((test regex, branch regex), ...): see narrow.py
-    # Words without which a loop anchor cannot lead to a finding: one of them must be in the function
-    # that holds the loop, in what it calls or what calls it, or outside every function (see narrow.py).
-    # Empty: every loop anchor counts.
-    loop_companions: ClassVar[tuple] = ()
-
     @classmethod
     def documentation(cls) -> str:
         example = textwrap.dedent(cls.INVALID[0]).strip("\n") if cls.INVALID else ""

@@ -10,8 +10,6 @@ class SyncEveryMicrostep(Rule):
     severity = "warning"
     summary = "Gradient accumulation all-reduces on every micro-step, not once per optimizer step"
     requires = (".backward(", "step(")
-    loop_anchors = (".backward(",)
-    loop_companions = ("step(",)         # a loop that never steps has no boundary to get wrong
     words = ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", ".prepare(", "prepare_model",
              "Fabric", "fabric.setup", "no_sync", "require_backward_grad_sync")
     what = """

@@ -7,8 +7,6 @@ class NoSyncMissesForward(Rule):
     severity = "warning"
     summary = "A DDP sync control covers the backward but not the forward, so it does nothing"
     requires = (".backward(",)
-    loop_anchors = (".backward(",)
-    loop_companions = ("no_sync", "no_backward_sync", "require_backward_grad_sync", "set_requires_gradient_sync")
     words = ("no_sync", "require_backward_grad_sync", "no_backward_sync")
     what = """
         Finds `model.no_sync()` (or `accelerator.no_sync(model)`) wrapped around `backward()` while

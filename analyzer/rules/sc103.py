@@ -10,8 +10,6 @@ class UnsyncedStep(Rule):
     severity = "error"
     summary = "The optimizer can step on gradients that were never all-reduced: ranks diverge"
     requires = (".backward(", "step(")
-    loop_anchors = (".backward(",)
-    loop_companions = ("step(",)         # a loop that never steps has no boundary to get wrong
     words = ("no_sync", "require_backward_grad_sync", "no_backward_sync", "set_requires_gradient_sync")
     what = """
         Finds accumulation loops where the micro-step right before `optimizer.step()` runs with

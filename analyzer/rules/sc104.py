@@ -7,7 +7,6 @@ class NoSyncOnUnwrapped(Rule):
     severity = "error"
     summary = "no_sync() is called on the original module, not on the DDP/FSDP wrapper"
     requires = ("no_sync",)
-    anchors = ("no_sync",)
     what = """
         Finds `no_sync()` (and `accelerator.no_sync(...)`, `fabric.no_backward_sync(...)`) applied to
         something that is not the data-parallel wrapper: `model.module.no_sync()`, or the module

@@ -7,7 +7,6 @@ class AccumulateWithoutSteps(Rule):
     severity = "warning"
     summary = "accelerator.accumulate() is used but the Accelerator has no gradient_accumulation_steps"
     requires = (".accumulate(", "Accelerator")
-    anchors = (".accumulate(", "Accelerator(", "gradient_accumulation")
     what = """
         Finds `with accelerator.accumulate(model):` where the `Accelerator(...)` built in the same file
         is never given `gradient_accumulation_steps` (directly, through a

@@ -7,8 +7,6 @@ class StaticGraphNoSync(Rule):
     severity = "error"
     summary = "DDP(static_graph=True) with no_sync on the very first iteration fails an internal assert"
     requires = ("static_graph", ".backward(")
-    loop_anchors = (".backward(",)
-    loop_companions = ("no_sync", "no_backward_sync", "require_backward_grad_sync", "set_requires_gradient_sync")
     what = """
         Finds `DistributedDataParallel(..., static_graph=True)` models whose very first micro-step can
         run with gradient sync off (`no_sync()`, or `require_backward_grad_sync = False`).

@@ -7,8 +7,6 @@ class ZeroGradEveryMicrostep(Rule):
     severity = "error"
     summary = "zero_grad() runs on every micro-step, wiping the gradients being accumulated"
     requires = (".backward(", "zero_grad", "step(")
-    loop_anchors = (".backward(",)
-    loop_companions = ("step(",)         # a loop that never steps has no boundary to get wrong
     what = """
         Finds accumulation loops (the optimizer steps every N micro-steps) where `zero_grad()` runs
         on every micro-step, not only at the boundary. Not reported for optimizers prepared by

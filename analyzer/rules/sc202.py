@@ -7,8 +7,6 @@ class UnscaledAccumulatedLoss(Rule):
     severity = "warning"
     summary = "Accumulated loss is not divided by the number of micro-steps"
     requires = (".backward(", "step(")
-    loop_anchors = (".backward(",)
-    loop_companions = ("step(",)         # a loop that never steps has no boundary to get wrong
     what = """
         Finds plain-PyTorch accumulation loops whose loss reaches `backward()` without being divided
         (or multiplied) on the way. Not reported for `accelerator.backward` (Accelerate divides by

@@ -174,7 +174,6 @@ class CollectiveInRankBranch(Rule):
     severity = "error"
     summary = "A collective runs only on some ranks: the others never join it and the job hangs"
     # functions with an ``if`` on the rank whose branch runs a collective, itself or through a call
-    branch_anchors = ((RANK_TEST_TEXT, COLLECTIVE_TEXT),)
 
     @classmethod
     def gate(cls) -> tuple:

@@ -7,7 +7,6 @@ class SamplerWithoutSetEpoch(Rule):
     severity = "warning"
     summary = "DistributedSampler is iterated over several epochs but set_epoch() is never called"
     requires = ("DistributedSampler",)
-    anchors = ("DistributedSampler", "set_epoch", "epoch")
     what = """
         Finds a `DistributedSampler` built in a file that loops over epochs but never calls
         `set_epoch(...)`. Samplers built with `shuffle=False` are not reported.
