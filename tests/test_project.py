@@ -1,5 +1,7 @@
 """Whole-program analysis: the training loop spread over functions, classes and files, as real code
 spreads it. Each case is a small project written to a folder and linted as a user would lint it."""
+import textwrap
+
 import pytest
 
 from projectlib import check_project
@@ -628,3 +630,31 @@ REBOUND
             optimizer.step()
             optimizer.zero_grad()
 """.replace("BODY", body).replace("REBOUND", rebound)})
+
+
+def test_sc103_message_says_which_control_is_active_at_the_boundary_and_why():
+    # FunASR's trainer: the sync context is chosen by a condition that is off by one from the step's
+    from synccheck.analyzer.engine import check_source
+    source = textwrap.dedent("""
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train_epoch(model, loader, optimizer, accum_grad):
+            model = DDP(model)
+            for batch_idx, (x, y) in enumerate(loader):
+                my_context = model.no_sync if batch_idx % accum_grad != 0 else nullcontext
+                with my_context():
+                    loss = (model(x) - y).pow(2).mean() / accum_grad
+                    loss.backward()
+                if (batch_idx + 1) % accum_grad == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """)
+    [finding] = [f for f in check_source(source, "trainer.py") if f.code == "SC103"]
+    assert finding.line == 9
+    message = finding.message
+    # both conditions are stated as they hold at the boundary, in the code's own words
+    assert "`batch_idx % accum_grad != 0` is true" in message
+    assert "`(batch_idx + 1) % accum_grad == 0` is true" in message
+    assert "is false" not in message
+    assert "`my_context()` turns it off" in message
