@@ -4,7 +4,9 @@ import textwrap
 
 import pytest
 
-from projectlib import check_project
+from pathlib import Path
+
+from projectlib import check_project, write_project
 
 # main.py wraps the model, engine.py accumulates (MAE, DeiT, ConvNeXt, BEiT are built like this)
 MAE = {
@@ -658,3 +660,27 @@ def test_sc103_message_says_which_control_is_active_at_the_boundary_and_why():
     assert "`(batch_idx + 1) % accum_grad == 0` is true" in message
     assert "is false" not in message
     assert "`my_context()` turns it off" in message
+
+
+@pytest.mark.parametrize("also_context", [False, True])
+def test_a_file_that_vanishes_after_discovery(tmp_path, monkeypatch, also_context):
+    # files found by the walk, then deleted before they are read (an editor's temp file, a checkout
+    # switching branches): each is reported as an error, the others are still linted, nothing raises
+    import synccheck.analyzer.engine as engine
+    write_project(tmp_path, {**MAE, "gone.py": "import torch\nfor x in y:\n    x.backward()\n"})
+    discover = engine.discover
+    doomed = [tmp_path / "gone.py"] + ([tmp_path / "util" / "misc.py"] if also_context else [])
+
+    def discover_then_delete(*args, **kwargs):
+        files = discover(*args, **kwargs)
+        for path in doomed:
+            path.unlink()       # misc.py is read lazily, as context of the loop
+        return files
+
+    monkeypatch.setattr(engine, "discover", discover_then_delete)
+    result = engine.lint([str(tmp_path)], jobs=1)
+    assert sorted(Path(e.path).name for e in result.errors) == sorted(p.name for p in doomed)
+    assert all("cannot read" in e.message for e in result.errors)
+    codes = {(Path(f.path).name, f.code) for f in result.findings}
+    # without the scaler's class the loss_scaler call is opaque: the loop's finding needs misc.py
+    assert (("engine_pretrain.py", "SC101") in codes) == (not also_context)
