@@ -103,9 +103,12 @@ class Population:
         self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index)]
         # a step gated by a counter (``(i + 1) % n == 0``, the last micro-step, ``micro == accum``)
         # means to accumulate; one gated by any other test (``if should_update(...)``) skips steps
-        self.periodic = any(_periodic(flow.atoms.atoms[k]) for k in self.gate)
+        self.periodic = any(_periodic(flow.atoms.atoms[k], loop) for k in self.gate)
         kinds = {kind for token, kind, _, across, _ in records if across or token.synced == "managed"}
-        self.accumulating = bool(self.stepped) and ("superseded" in kinds or ("wiped" in kinds and self.periodic))
+        # gradients wiped between iterations under a non-counting gate: steps are skipped, not
+        # accumulated, whatever else the paths through the iteration do
+        self.accumulating = bool(self.stepped) and (
+            ("superseded" in kinds and (self.periodic or "wiped" not in kinds)) or ("wiped" in kinds and self.periodic))
 
     @property
     def data_parallel(self) -> bool:
@@ -138,8 +141,12 @@ _COUNTING = ("accum", "grad_acc", "update_freq", "sync_gradients", "micro", "ite
              "backward_passes", "n_acc", "ga_steps")
 
 
-def _periodic(atom) -> bool:
-    return atom.mod is not None or atom.loop is not None or any(w in atom.text.lower() for w in _COUNTING)
+def _periodic(atom, loop) -> bool:
+    """A counting test: a mod form, the last iteration of the micro-steps' own loop, or a test that
+    names the accumulation (``micro == accum``, ``accelerator.sync_gradients``)."""
+    if atom.loop is not None:
+        return atom.loop == loop
+    return atom.mod is not None or any(w in atom.text.lower() for w in _COUNTING)
 
 
 def populations(flow) -> list:
