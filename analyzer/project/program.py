@@ -25,6 +25,7 @@ EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate
 MAX_ROOT_WORK = 400_000
 # a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
 # sync control is where the schedule is)
+_UNCALLED_NO_SYNC = re.compile(r"\.no_sync\b(?!\s*\()")
 _CALL_NAME = re.compile(r"([A-Za-z_]\w*)\s*\(")
 ROOT_WORDS = ("step", "zero_grad", "no_sync", "backward", "accumulate", "require_backward_grad_sync")
 WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "prepare",
@@ -294,6 +295,9 @@ class Program:
                     if isinstance(call.func, ast.Attribute):
                         self._infer_from(self.values.expr(call.func.value, scope), kind, wrapped)
             for module in self.project.modules():
+                if _UNCALLED_NO_SYNC.search(module.text):
+                    # ``ctx = model.no_sync if ... else nullcontext``: the method itself, called later
+                    self._infer_uncalled(module, wrapped)
                 if "require_backward_grad_sync" not in module.text:
                     continue
                 for scope in [module] + list(module.functions.values()):
@@ -302,6 +306,14 @@ class Program:
                         if attr == "require_backward_grad_sync":
                             self._infer_from(self.values.expr(receiver, scope), "ddp", wrapped)
         return self._inferred
+
+    def _infer_uncalled(self, module, wrapped: dict) -> None:
+        called = {id(n.func) for n in ast.walk(module.tree) if isinstance(n, ast.Call)}
+        scopes = [(fn.node, fn) for fn in module.functions.values()] + [(module.tree, module)]
+        for node, scope in scopes:
+            for n in _walk_no_defs(node) if scope is not module else ast.iter_child_nodes(node):
+                if isinstance(n, ast.Attribute) and n.attr == "no_sync" and id(n) not in called:
+                    self._infer_from(self.values.expr(n.value, scope), "ddp", wrapped)
 
     def _infer_from(self, vals, kind: str, wrapped: dict) -> None:
         if any(isinstance(v, (Wrapper, Inner)) for v in vals):
