@@ -78,7 +78,9 @@ class Totals:
     @classmethod
     def from_fields(cls, f: list, path_of) -> "Totals":
         t = cls()
-        t.micro, t.synced, t.late, t.n_ar, t.ar_bytes, t.ar_us = (int(v) for v in f[:6])
+        t.micro, t.synced, t.late, t.n_ar, t.ar_bytes, t.ar_us = f[0], f[1], f[2], f[3], f[4], f[5]
+        if not all(type(v) is int for v in f[:6]):
+            raise ValueError("not a record")
         t.last = None if f[6] is None else bool(f[6])
         t.kinds = dict.fromkeys(k for k in str(f[7]).split(",") if k)
         t.sites = {(path_of(p), line): n for p, line, n in f[8]}

@@ -65,6 +65,10 @@ def _lines(fh):
         yield raw
 
 
+def _int(b: bytes):
+    return None if b == b"null" else int(b)
+
+
 class EventReader:
     """One rank file as a stream of events, paths resolved; "agg" and "prog" records decoded into
     ["agg", t, n, optimizer_index, path, line, checksum, Totals] and ["prog", t, Totals]."""
@@ -83,8 +87,23 @@ class EventReader:
         def resolve(p):
             return path_of(p, p)
 
+        last_rest, last_totals = None, None
         with open(self.path, "rb") as fh:
             for raw in _lines(fh):
+                if raw.startswith(b'["agg",'):
+                    # The common line, read without a full JSON parse: the step's numbers, then its totals,
+                    # parsed once for a run of steps that did the same (consumers never change a Totals).
+                    parts = raw.split(b",", 7)
+                    try:
+                        rest = parts[7]
+                        if rest != last_rest:
+                            last_totals = F.Totals.from_fields(loads(b"[" + rest), resolve)
+                            last_rest = rest
+                        yield [F.AGG, int(parts[1]), int(parts[2]), _int(parts[3]), resolve(_int(parts[4])),
+                               _int(parts[5]), _int(parts[6]), last_totals]
+                        continue
+                    except (ValueError, TypeError, IndexError, KeyError, AttributeError):
+                        pass     # not that simple: parsed below
                 try:
                     ev = loads(raw)
                     kind = ev[0]
