@@ -41,6 +41,10 @@ ENV_SESSION = "SYNCCHECK_PROFILE_SESSION"
 ENV_COMM_HOOK = "SYNCCHECK_PROFILE_COMM_HOOK"
 # "1": write every window in full (no aggregate records), e.g. to look at a long run in --trace.
 ENV_FULL = "SYNCCHECK_PROFILE_FULL"
+# Seconds between two "prog" records written by the background flusher (the launcher sets it from
+# --hang-timeout, so that a long optimizer step still shows progress in time).
+ENV_PROGRESS = "SYNCCHECK_PROFILE_PROGRESS_S"
+PROGRESS_INTERVAL_S = 5.0
 
 # Event kinds and their layout: see fold.py.
 META, MODEL, FORWARD, BUCKET, COLLECTIVE = F.META, F.MODEL, F.FORWARD, F.BUCKET, F.COLLECTIVE
@@ -92,6 +96,11 @@ class Recorder:
         self.current: tuple | None = None
         self._blocked_reported: tuple | None = None
         self.full = os.environ.get(ENV_FULL) == "1"
+        try:
+            self.progress_interval_s = float(os.environ.get(ENV_PROGRESS) or PROGRESS_INTERVAL_S)
+        except ValueError:
+            self.progress_interval_s = PROGRESS_INTERVAL_S
+        self._prog_t = float("-inf")    # when the background flusher last wrote a "prog" record
         self._reset_windows()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -196,24 +205,22 @@ class Recorder:
         """Write the next windows in full (DDP has just rebuilt its gradient buckets)."""
         self._force = AFTER_REBUILD
 
-    def flush(self) -> None:
+    def flush(self, background: bool = False) -> None:
         buf = self._buf
-        if not buf or self._fd is None:
+        if self._fd is None or not buf and (self._detail or self._fold.win.events <= self._prog_mark):
             return
         with self._lock:
             n = len(buf)
-            if not n:
-                return
             chunk = buf[:n]
             # Delete exactly what was taken: events appended meanwhile by another thread stay queued.
             del buf[:n]
             self._out = out = []
-            self._fold_chunk(chunk, out)
+            self._fold_chunk(chunk, out, background)
             self._out = []
             if out:
                 self._write("".join(out).encode())
 
-    def _fold_chunk(self, chunk: list, out: list) -> None:
+    def _fold_chunk(self, chunk: list, out: list, background: bool = False) -> None:
         fold = self._fold
         for ev in chunk:
             kind = ev[0]
@@ -238,10 +245,12 @@ class Recorder:
                 out.append(self._line(ev))
             else:
                 self._window_closed(res[1], ev, False, out)
-        if not self._detail and fold.win.events > self._prog_mark:
-            # Between steps (the background flusher, a barrier, destroy_process_group): what the open
-            # window did so far, in one line, so a crash or a kill loses nothing and a hang shows progress.
+        if not self._detail and fold.win.events > self._prog_mark and not (
+                background and time.monotonic() - self._prog_t < self.progress_interval_s):
+            # Between steps (a barrier, destroy_process_group, the background flusher every few seconds):
+            # what the open window did so far, in one line, so a kill keeps it and a hang shows progress.
             self._prog_mark = fold.win.events
+            self._prog_t = time.monotonic()
             out.append(_encode([PROG, now_us(), *fold.snapshot().fields(self._intern)]) + "\n")
 
     def _window_closed(self, totals, step: list, written: bool, out: list) -> None:
@@ -309,7 +318,7 @@ class Recorder:
         while self.active:
             time.sleep(FLUSH_INTERVAL_S)
             try:
-                self.flush()
+                self.flush(background=True)
                 current = self.current
                 if current is not None and current is not self._blocked_reported:
                     name, path, line, t = current

@@ -67,6 +67,10 @@ def _secs(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.4g}"
 
 
+def _span(low: float, high: float) -> str:
+    return _secs(low) if _secs(low) == _secs(high) else f"{_secs(low)}-{_secs(high)}"
+
+
 def _per_step_text(per_step):
     from rich.text import Text
     if per_step is None:
@@ -109,7 +113,7 @@ def _print_table(report: Report, console) -> None:
             label += " (cut)" if s.truncated else ""
             table.add_row(label, str(s.optimizer_steps), str(s.micro_steps), str(s.synced_micro_steps),
                           _per_step_text(s.synced_per_step), str(s.grad_allreduces), _mb(s.grad_allreduce_bytes),
-                          _secs(low) if len(g.members) == 1 or low == high else f"{_secs(low)}-{_secs(high)}")
+                          _span(low, high))
         if len(shown) < len(found):
             rest = found[len(shown):]
             table.add_row(f"{sum(len(g.members) for g in rest)} ranks in {len(rest)} more groups (see --json)",
@@ -133,23 +137,37 @@ def _print_table(report: Report, console) -> None:
             f"rank {x['rank']} ({x['host']}) {x['allreduce_time_s']:.3f} s, {x['ratio']:.2g}x the median rank's "
             f"{x['median_s']:.3f} s" for x in slow))
     if several_hosts:
-        per_node = G.nodes(summaries)
-        if len(per_node) > NODE_LINES:
-            per_node = sorted(per_node, key=lambda n: -n["allreduce_time_s"]["max"])
-            hidden = per_node[NODE_LINES - 1:]
-            per_node = sorted(per_node[:NODE_LINES - 1], key=lambda n: n["ranks"])
-        else:
-            hidden = []
-        for n in per_node:
-            steps = n["optimizer_steps"]
-            steps_text = str(steps["min"]) if steps["min"] == steps["max"] else f"{steps['min']}-{steps['max']}"
-            t = n["allreduce_time_s"]
-            console.print(f"node {n['host']}: ranks {n['ranks']}, {steps_text} optimizer steps, all-reduce "
-                          f"{t['min']:.3f}-{t['max']:.3f} s (slowest rank {n['slowest_rank']})")
-        if hidden:
-            low = min(n["allreduce_time_s"]["min"] for n in hidden)
-            high = max(n["allreduce_time_s"]["max"] for n in hidden)
-            console.print(f"{len(hidden)} more nodes, all-reduce {low:.3f}-{high:.3f} s per rank (see --json)")
+        _print_nodes(G.nodes(summaries), summaries, console)
+
+
+def _print_nodes(per_node: list, summaries, console) -> None:
+    """A line per node; with many nodes, the ones that stand out (a straggler, a rank that stopped early) and
+    one line for the rest."""
+    hidden: list = []
+    if len(per_node) > NODE_LINES:
+        import statistics
+        median = statistics.median(s.allreduce_time_s for s in summaries)
+        most = max(s.optimizer_steps for s in summaries)
+        odd = [n for n in per_node if n["optimizer_steps"]["min"] < most
+               or n["allreduce_time_s"]["max"] >= G.STRAGGLER_RATIO * median > 0]
+        shown = odd[:NODE_LINES - 1]
+        hidden = [n for n in per_node if n not in shown]
+        per_node = shown
+    for n in per_node:
+        steps = n["optimizer_steps"]
+        steps_text = str(steps["min"]) if steps["min"] == steps["max"] else f"{steps['min']}-{steps['max']}"
+        t = n["allreduce_time_s"]
+        console.print(f"node {n['host']}: ranks {n['ranks']}, {steps_text} optimizer steps, all-reduce "
+                      f"{_span(t['min'], t['max'])} s (slowest rank {n['slowest_rank']})")
+    if hidden:
+        low = min(n["optimizer_steps"]["min"] for n in hidden)
+        high = max(n["optimizer_steps"]["max"] for n in hidden)
+        steps_text = str(low) if low == high else f"{low}-{high}"
+        t_low = min(n["allreduce_time_s"]["min"] for n in hidden)
+        t_high = max(n["allreduce_time_s"]["max"] for n in hidden)
+        console.print(f"{'other nodes' if per_node else 'nodes'} ({len(hidden)}, "
+                      f"{sum(n['count'] for n in hidden)} ranks): {steps_text} optimizer steps, all-reduce "
+                      f"{_span(t_low, t_high)} s per rank (each node in --json)")
 
 
 def print_report(report: Report, console, *, exit_code=None, out_dir=None, headline_notes=(), hang=None) -> None:

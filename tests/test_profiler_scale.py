@@ -199,6 +199,65 @@ def test_a_rank_killed_between_steps_keeps_what_it_did(tmp_path):
     assert any(n.startswith("rank 1: its record file ends in a partial line") for n in report.notes)
 
 
+def test_progress_between_steps_is_one_line_at_most_every_few_seconds(tmp_path):
+    rec = R.Recorder()
+    rec.out_dir, rec.session = str(tmp_path), "s"
+    assert rec._open(0, 1, "gloo", background=False)
+    steps = list(rank_steps(R.WARMUP_WINDOWS + 20))
+    for evs in steps[:R.WARMUP_WINDOWS + 11]:       # the model, then past the warm-up
+        for ev in evs:
+            rec.event(ev)
+        rec.flush()
+    (path,) = tmp_path.glob("rank-*.jsonl")
+    partial = [ev for ev in steps[R.WARMUP_WINDOWS + 11] if ev[0] != "step"]
+
+    def progs():
+        return path.read_text().count('["prog",')
+
+    rec.progress_interval_s = 3600
+    rec.event(partial[0])
+    rec.flush(background=True)              # the background flusher: once in a while only...
+    rec.flush(background=True)
+    assert progs() == 1
+    rec.event(partial[1])
+    rec.flush(background=True)
+    assert progs() == 1
+    rec.flush()                             # ...a barrier or destroy_process_group: at once, with what was held
+    assert progs() == 2
+    rec.progress_interval_s = 0
+    for ev in partial[2:]:
+        rec.event(ev)
+        rec.flush(background=True)
+    assert progs() == 2 + len(partial) - 2
+    os.close(rec._fd)
+    rec._fd, rec.active = None, False
+    (s,) = summarize_folder(tmp_path)[0]
+    assert s.optimizer_steps == R.WARMUP_WINDOWS + 10 and s.micro_steps == (R.WARMUP_WINDOWS + 11) * 4
+
+
+def test_the_hang_watch_reads_compact_records(tmp_path):
+    rec = R.Recorder()
+    rec.out_dir, rec.session = str(tmp_path), "s"
+    assert rec._open(0, 1, "gloo", background=False)
+    tail = records.RankTail(str(tmp_path), "s")
+    tail.poll(1.0)
+    assert tail.first_activity is None
+    for evs in rank_steps(R.WARMUP_WINDOWS + 5):
+        for ev in evs:
+            rec.event(ev)
+        rec.flush()
+    assert tail.poll(2.0) and tail.last_progress[0] == 2.0
+    rec.event(["fwd", 10 ** 12, "m0", 0, SCRIPT, 20])     # a micro-step past the warm-up: a "prog" line
+    rec.flush()
+    assert tail.poll(3.0) and tail.last_events[0][-1][0] == "prog"
+    rec.event(["blk", 10 ** 12 + 5, "barrier", SCRIPT, 40])
+    rec.flush()
+    assert not tail.poll(4.0)                              # blocked is not progress...
+    assert tail.last_events[0][-1] == ["blk", 10 ** 12 + 5, "barrier", SCRIPT, 40]   # ...and names its line
+    os.close(rec._fd)
+    rec._fd, rec.active = None, False
+
+
 def test_reading_a_long_file_holds_no_events(tmp_path):
     # A version-1 file (one line per event, as earlier synccheck wrote) of about 7 MB: read as a stream.
     folder = tmp_path / "v1"
