@@ -172,7 +172,8 @@ class Fold:
 
     def close_with(self, totals: Totals, step: list) -> None:
         """An aggregate record closed a window that the file holds no events of."""
-        self.win = Totals()
+        if self.win.events:
+            self.win = Totals()
         self.fsdp_open = None
         self.merge_next = True
 

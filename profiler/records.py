@@ -88,6 +88,7 @@ class EventReader:
             return path_of(p, p)
 
         last_rest, last_totals = None, None
+        last_head, head_values = None, None
         with open(self.path, "rb") as fh:
             for raw in _lines(fh):
                 if raw.startswith(b'["agg",'):
@@ -99,8 +100,11 @@ class EventReader:
                         if rest != last_rest:
                             last_totals = F.Totals.from_fields(loads(b"[" + rest), resolve)
                             last_rest = rest
-                        yield [F.AGG, int(parts[1]), int(parts[2]), _int(parts[3]), resolve(_int(parts[4])),
-                               _int(parts[5]), _int(parts[6]), last_totals]
+                        head = parts[3:7]          # optimizer, path, line, checksum: mostly alike too
+                        if head != last_head:
+                            head_values = (_int(parts[3]), resolve(_int(parts[4])), _int(parts[5]), _int(parts[6]))
+                            last_head = head
+                        yield [F.AGG, int(parts[1]), int(parts[2]), *head_values, last_totals]
                         continue
                     except (ValueError, TypeError, IndexError, KeyError, AttributeError):
                         pass     # not that simple: parsed below
