@@ -184,6 +184,57 @@ def _close_window(s: RankSummary, w: F.Totals, t, path, line) -> None:
         st.unsynced_sites[(path, line)] += 1
 
 
+def _close_run(s: RankSummary, w: F.Totals, path, line, n: int, timed: int, time_us: int, t_last: int) -> None:
+    """_close_window for n more windows like the last one (not the first window; w.micro > 0), of which
+    `timed` took `time_us` in all: the same sums, in the same order where they are floats."""
+    s.micro_steps += w.micro * n
+    s.synced_micro_steps += w.synced * n
+    s.grad_allreduces += w.n_ar * n
+    s.grad_allreduce_bytes += w.ar_bytes * n
+    s.allreduce_us += w.ar_us * n
+    for (name, role), k in w.colls.items():
+        s.collectives[name] += k * n
+        if role != "grad":
+            s.other_collectives[name] += k * n
+        if role == "avg":
+            s.param_averages += k * n
+    for key, k in w.lates.items():
+        s.late_no_sync[key] += k * n
+    s.optimizer_steps += n
+    s.runs[-1][2] += n
+    s.last_step_t = t_last
+    st = s.steady
+    st.windows += n
+    st.synced += w.synced * n
+    st.ar_us += w.ar_us * n
+    st.timed += timed
+    st.time_us += time_us
+    if w.synced - w.late > 1:
+        st.many += n
+        for key, k in w.sites.items():
+            st.many_sites[key] += k * n
+        st.many_synced[w.synced] += n
+        st.many_micro[w.micro] += n
+        st.many_bytes += w.ar_bytes * n
+        saving = w.ar_us * (w.synced - w.late - 1) / w.synced
+        for _ in range(n):
+            st.many_saving_us += saving
+        st.many_timed += timed
+        st.many_time_us += time_us
+    if w.late and w.synced:
+        st.late_windows += n
+        saving = w.ar_us * min(w.late, w.synced - 1) / w.synced
+        for _ in range(n):
+            st.late_saving_us += saving
+        st.late_timed += timed
+        st.late_time_us += time_us
+    if w.last is False:
+        st.unsynced += n
+        if w.n_ar == 0:
+            st.unsynced_none += n
+        st.unsynced_sites[(path, line)] += n
+
+
 def summarize(record: RankRecord) -> RankSummary:
     """Read one rank file, start to end, in bounded memory."""
     meta = record.meta
@@ -219,22 +270,46 @@ def summarize(record: RankRecord) -> RankSummary:
                 _close_window(s, res[1], step[1], step[4], step[5])
         chunk.clear()
 
+    # A run of agg records with the same totals (one Totals object, see EventReader) and step line is
+    # counted here and applied at once: only the step times differ.
+    run = None             # [totals, path, line, windows, timed windows, their time, time of the last]
+
+    def flush_run():
+        nonlocal run
+        if run is not None and run[3]:
+            _close_run(s, *run)
+        run = None
+
     for ev in reader.events():
         kind = ev[0]
+        if kind == F.AGG:
+            totals, t = ev[7], ev[1]
+            if ev[6] is not None:
+                s.checksums[int(ev[2])] = ev[6]
+            prog = None
+            if run is not None and totals is run[0] and not chunk and ev[4] == run[1] and ev[5] == run[2] \
+                    and type(t) is int:
+                d = t - run[6]
+                run[6] = t
+                run[3] += 1
+                if d > 0:
+                    run[4] += 1
+                    run[5] += d
+                continue
+            flush_run()
+            if chunk:
+                fold_chunk()
+            fold.close_with(totals, ev)
+            _close_window(s, totals, t, ev[4], ev[5])
+            if s.optimizer_steps > 1 and totals.micro and type(t) is int:
+                run = [totals, ev[4], ev[5], 0, 0, 0, t]
+            continue
+        flush_run()
         if kind in _WINDOW_KINDS:
             chunk.append(ev)
         elif kind == F.STEP:
             chunk.append(ev)
             fold_chunk()
-            prog = None
-        elif kind == F.AGG:
-            if chunk:
-                fold_chunk()
-            totals = ev[7]
-            if ev[6] is not None:
-                s.checksums[int(ev[2])] = ev[6]
-            fold.close_with(totals, ev)
-            _close_window(s, totals, ev[1], ev[4], ev[5])
             prog = None
         elif kind == F.PROG:
             prog = ev[2]
@@ -243,6 +318,7 @@ def summarize(record: RankRecord) -> RankSummary:
             s.model_kinds.add(ev[3])
         elif kind == F.BLOCKED:
             s.blocked = ev
+    flush_run()
     if chunk:
         fold_chunk()
     # What the rank did after its last step: its events, or else the last "prog" summary of them.
