@@ -55,7 +55,7 @@ class Totals:
                 tuple(self.kinds), tuple(self.sites.items()), tuple(self.colls.items()),
                 tuple(self.lates.items()), step[3], step[4], step[5])
 
-    def copy(self) -> "Totals":
+    def copy(self) -> Totals:
         t = Totals()
         for name in Totals.__slots__:
             value = getattr(self, name)
@@ -76,7 +76,7 @@ class Totals:
                 [[how, intern(p), line, n] for (how, p, line), n in self.lates.items()]]
 
     @classmethod
-    def from_fields(cls, f: list, path_of) -> "Totals":
+    def from_fields(cls, f: list, path_of) -> Totals:
         t = cls()
         t.micro, t.synced, t.late, t.n_ar, t.ar_bytes, t.ar_us = f[0], f[1], f[2], f[3], f[4], f[5]
         if not all(type(v) is int for v in f[:6]):

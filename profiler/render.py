@@ -171,8 +171,6 @@ def _print_nodes(per_node: list, summaries, console) -> None:
 
 
 def print_report(report: Report, console, *, exit_code=None, out_dir=None, headline_notes=(), hang=None) -> None:
-    from rich import box
-    from rich.table import Table
     from rich.text import Text
 
     for note in headline_notes:

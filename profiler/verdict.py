@@ -8,7 +8,6 @@ buckets after the first synced backward and that window's counts are not typical
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 from synccheck.profiler.groups import differences, rank_ranges
