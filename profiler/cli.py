@@ -224,8 +224,9 @@ def report_main(argv: list[str]) -> int:
         return exc.code
     ranks, notes = records.load_ranks(ns.dir)
     if not ranks:
-        print(f"synccheck report: no rank records in {ns.dir} (written by `synccheck profile --out DIR`)",
-              file=sys.stderr)
+        why = f": {notes[0]}" if notes else " (written by `synccheck profile --out DIR`)"
+        print(f"synccheck report: no rank records in {ns.dir} that this synccheck can read{why}"
+              if notes else f"synccheck report: no rank records in {ns.dir}{why}", file=sys.stderr)
         return 2
     launchers = records.load_launcher_results(ns.dir)
     codes = [l.get("exit_code") for l in launchers if isinstance(l.get("exit_code"), int)]

@@ -315,6 +315,8 @@ def _read_layout(ddp, st: _ModelState) -> None:
     st.layout = [int(b) for b in str(sizes or "").split(",") if b.strip()]
     # No rebuild at all with find_unused_parameters (unless static_graph): give up waiting after a few.
     st.layout_final = rebuilt or st.synced_forwards >= 4
+    if rebuilt:
+        rec.force_detail()      # the steps right after the rebuild are written in full
     _read_comm_time(data, st)
 
 

@@ -155,6 +155,8 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     out_dir = prepare_out_dir(opts.out_dir)
     session = uuid.uuid4().hex[:12]
     env = child_env(out_dir, session, opts.comm_hook)
+    if opts.hang_timeout:
+        env[R.ENV_PROGRESS] = str(max(R.FLUSH_INTERVAL_S, opts.hang_timeout / 4))
 
     command = opts.command
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from synccheck.profiler import recorder as R
-from synccheck.profiler.records import RankRecord
+from synccheck.profiler.records import RankRecord, read_rank_file
 
 TID_MICRO, TID_ALLREDUCE, TID_COLLECTIVE, TID_STEP = 1, 2, 3, 4
 THREAD_NAMES = {TID_STEP: "optimizer steps", TID_MICRO: "micro-steps", TID_ALLREDUCE: "gradient all-reduce",
@@ -17,10 +17,12 @@ THREAD_NAMES = {TID_STEP: "optimizer steps", TID_MICRO: "micro-steps", TID_ALLRE
 
 
 def build_trace(records: list[RankRecord]) -> dict:
+    """The records' events are read one rank at a time (those of `records` that hold none are read from
+    their file); an optimizer step written as one aggregate record is one slice."""
     events: list[dict] = []
-    t_base = min((ev[1] for r in records for ev in r.events if len(ev) > 1 and isinstance(ev[1], int)),
-                 default=0)
-    for r in records:
+    t_base = min((int(r.meta["t0"]) for r in records if isinstance(r.meta.get("t0"), int)), default=0)
+    for handle in records:
+        r = handle if handle.events else (read_rank_file(handle.path) or handle)
         pid = r.rank
         events.append({"ph": "M", "name": "process_name", "pid": pid,
                        "args": {"name": f"rank {r.rank} ({r.meta.get('host', '')}, pid {r.pid})"}})
@@ -45,6 +47,7 @@ def build_trace(records: list[RankRecord]) -> dict:
                                "cat": "micro-step", "args": {"synced": bool(synced), "source": f"{path}:{line}"}})
                 open_micro = None
 
+        prev_step = None     # time of the previous optimizer step: where an aggregated window began
         for ev in evs:
             kind, t = ev[0], ev[1]
             if kind == R.FORWARD:
@@ -87,6 +90,22 @@ def build_trace(records: list[RankRecord]) -> dict:
                                    "cat": "window"})
                 window_start = None
                 window_micro = window_synced = 0
+                prev_step = t
+            elif kind == R.AGG:
+                close_micro(t)
+                totals = ev[7]
+                events.append({"ph": "i", "s": "t", "pid": pid, "tid": TID_STEP, "ts": t - t_base,
+                               "name": f"optimizer step {ev[2]}", "cat": "step", "args": {"checksum": ev[6]}})
+                start = prev_step
+                if start is not None:
+                    events.append({"ph": "X", "pid": pid, "tid": TID_STEP, "ts": start - t_base,
+                                   "dur": max(t - start, 1),
+                                   "name": f"step {ev[2]}: {totals.synced}/{totals.micro} micro-steps synced",
+                                   "cat": "window", "args": {"all-reduces": totals.n_ar, "bytes": totals.ar_bytes,
+                                                             "all-reduce us": totals.ar_us}})
+                window_start = None
+                window_micro = window_synced = 0
+                prev_step = t
             elif kind == R.BLOCKED:
                 events.append({"ph": "i", "s": "p", "pid": pid, "tid": TID_COLLECTIVE, "ts": t - t_base,
                                "name": f"blocked in {ev[2]}", "cat": "hang",
