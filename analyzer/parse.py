@@ -22,3 +22,15 @@ def parse(text: str, path: str = "<string>") -> Tuple[Optional[ast.Module], Opti
         if isinstance(exc, RecursionError):
             message = "too deeply nested to analyse (RecursionError)"
         return None, (1, 1, message)
+
+
+def dotted(node) -> Optional[str]:
+    """``a.b.c`` for a name or a chain of attributes on a name; None for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None

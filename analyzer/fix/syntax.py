@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from synccheck.analyzer.parse import dotted as _dotted
+
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
 BLOCK_FIELDS = ("body", "orelse", "finalbody")
 
@@ -164,17 +166,6 @@ def stored(stmts) -> set:
 
 def used(cond) -> set:
     return {d for d in (_dotted(n) for n in ast.walk(cond) if isinstance(n, (ast.Name, ast.Attribute))) if d}
-
-
-def _dotted(node) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
 
 
 def check_stable(cond, stmts) -> None:

@@ -15,6 +15,7 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form
+from synccheck.analyzer.parse import dotted as _dotted
 
 BOTH = (TRUE, TRUE)
 
@@ -35,17 +36,6 @@ def free_names(node) -> list:
                 continue
         stack.extend(ast.iter_child_nodes(n))
     return out
-
-
-def _dotted(node) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
 
 
 def volatile(node) -> bool:

@@ -17,11 +17,12 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.state import (PLAIN, Control, EnvVal, Forward, Token, flag_of, sync_state,
+from synccheck.analyzer.project.state import (PLAIN, Control, EnvVal, Forward, Token, sync_state,
                                               with_flag)
-from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bound, Cls, Const, Ctx, CtxFactory,
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bound, Cls, Const, CtxFactory,
                                                Ext, Framework, Func, Inner, Inst, NativeScaler, Obj, Optim,
-                                               Partial, Scaler, Tup, Unknown, Wrapper, site_of)
+                                               Scaler, Tup, Unknown, Wrapper, site_of)
+from synccheck.analyzer.parse import dotted as _dotted
 
 
 class FlowCtx(NamedTuple):
@@ -467,7 +468,6 @@ def _native_scaler(flow, node, args, kws, st, fr) -> EnvVal:
         return NONE_VAL
     true, false = _cond_of(flow, update, next((k.value for k in node.keywords if k.arg in ("need_update", "update_grad")),
                                               None), st, fr)
-    from synccheck.analyzer.project.syncflow import St
     stepped = flow.restrict(st.copy(), true)
     if stepped is not None and stepped.props:
         step(flow, node, optimizer.values, stepped, fr)
@@ -600,17 +600,6 @@ def _deco(node) -> str:
     if isinstance(node, ast.Call):
         node = node.func
     return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-
-
-def _dotted(node) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
 
 
 def _text(fr, node) -> str:

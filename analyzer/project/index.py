@@ -324,14 +324,8 @@ class Project:
         chosen = []
         for apath in [a for a in self._catalog_imports if a in candidates and a in self.catalog]:
             if words:
-                path, text = self.catalog[apath]
-                if text is None:
-                    text = _read_text(apath)
-                    if text is None:
-                        del self.catalog[apath]
-                        continue
-                    self.catalog[apath] = (path, text)
-                if not any(w in text for w in words):
+                text = self._catalog_text(apath)
+                if text is None or not any(w in text for w in words):
                     continue
             chosen.append(apath)
         if words and len(chosen) > MAX_IMPORTERS:
@@ -372,18 +366,23 @@ class Project:
         for apath in list(self.catalog):
             if apath not in self.catalog:
                 continue
-            path, text = self.catalog[apath]
-            if text is None:
-                text = _read_text(apath)
-                if text is None:
-                    del self.catalog[apath]
-                    continue
-                self.catalog[apath] = (path, text)
-            if word in text:
+            text = self._catalog_text(apath)
+            if text is not None and word in text:
                 module = self._from_catalog(apath)
                 if module is not None:
                     out.append(module)
         return out
+
+    def _catalog_text(self, apath: str) -> Optional[str]:
+        """A catalogued file's text, read on first use; a file that cannot be read leaves the catalog."""
+        path, text = self.catalog[apath]
+        if text is None:
+            text = _read_text(apath)
+            if text is None:
+                del self.catalog[apath]
+                return None
+            self.catalog[apath] = (path, text)
+        return text
 
     def _from_catalog(self, apath: str) -> Optional[Module]:
         path, text = self.catalog.pop(apath)

@@ -13,7 +13,7 @@ import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.index import Class, External, Function, GlobalRef, Module, Project
+from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
 from synccheck.analyzer.project.values import (Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values, Wrapper)
 
 # Calls whose names make a file worth a root: words a training loop must say.

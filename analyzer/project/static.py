@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import (Const, Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper)
+from synccheck.analyzer.project.values import (Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper)
 
 RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"

@@ -24,6 +24,7 @@ from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms, exists
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.state import EnvVal, Prop
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
+from synccheck.analyzer.parse import dotted as _dotted
 
 MAX_LOOP_ROUNDS = 6
 MAX_DEPTH = 8
@@ -521,19 +522,7 @@ def _vkey(v):
     return v if not isinstance(v, tuple) or len(repr(v)) < 200 else hash(v)
 
 
-def _dotted(node) -> Optional[str]:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
 def _loop_head(node, flow) -> str:
-    module = flow.root.module if isinstance(flow.root, Function) else flow.root
     if isinstance(node, (ast.For, ast.AsyncFor)):
         text = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}"
     else:
