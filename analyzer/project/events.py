@@ -761,6 +761,7 @@ def zero_grad(flow, node, vals: frozenset, st, fr) -> None:
         return
     site = site_of(fr.module, node)
     flow.records.node(site, fr.module, node)
+    flow.records.loops_at.setdefault(site, set()).update(flow.loop_stack)
     optims = frozenset(v for v in vals if isinstance(v, Optim))
     direct = flow.program.models_of(frozenset(v for v in vals if isinstance(v, (Wrapper, Obj, Inner))))
     models = _owned(flow, optims) if optims else (direct or None)

@@ -41,6 +41,7 @@ class Records:
         self.forwards: dict = {}         # (site, model, decided, by, first, enclosing loops) -> guard
         self.backwards: dict = {}        # site -> Backward
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
+        self.loops_at: dict = {}         # zero_grad site -> ids of the loops it ran in (callers' included)
 
     def node(self, site, module, node) -> None:
         self.nodes.setdefault(site, (module, node))
@@ -92,6 +93,9 @@ class Population:
         # iteration (``model.zero_grad()`` after ``optimizer.step()``) throws the window away.
         records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
                    or (r[1] == "wiped" and r[0].synced == "managed" and not r[0].shared)]
+        # a zero_grad outside the micro-steps' loop (at the top of each epoch) drops an unfinished
+        # window at the epoch's end; it does not wipe micro-steps
+        records = [r for r in records if r[1] != "wiped" or _inside(flow, r[2], loop)]
         self.records = records
         atoms = len(flow.atoms.atoms)
         self.width_mask = (1 << (1 << atoms)) - 1 if atoms < MAX_ATOMS else -1
@@ -139,6 +143,11 @@ class Population:
 
 _COUNTING = ("accum", "grad_acc", "update_freq", "sync_gradients", "micro", "iters_to_acc", "gradient_acc",
              "backward_passes", "n_acc", "ga_steps")
+
+
+def _inside(flow, site, loop) -> bool:
+    loops = flow.records.loops_at.get(site)
+    return loops is None or loop in loops
 
 
 def _periodic(atom, loop) -> bool:

@@ -146,13 +146,14 @@ class SyncEveryMicrostep(Rule):
             for site, model, outcomes, group in wasted(flow):
                 module, node = ctx.node(flow, site)
                 name = ctx.model_name(model)
+                name = "the model" if name == "the model" else f"`{name}`"
                 if any(t.synced != "on" for t, *_ in outcomes.records):
                     when = outcomes.describe(group)
-                    msg = (f"these micro-steps of `{name}` all-reduce gradients on every backward: no sync control "
+                    msg = (f"these micro-steps of {name} all-reduce gradients on every backward: no sync control "
                            f"covers them{' (when ' + when + ')' if when else ''}, so N-1 of every N all-reduces "
                            f"are wasted")
                 else:
-                    msg = (f"`{name}` all-reduces gradients on every micro-step of this accumulation loop, though "
+                    msg = (f"{name} all-reduces gradients on every micro-step of this accumulation loop, though "
                            f"the optimizer steps only every few: N-1 of every N all-reduces are wasted")
                 ctx.report(self, module, node, msg, FIX,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))
