@@ -332,7 +332,7 @@ class Program:
                 for local, (mod, attr, _) in module.imports.items():
                     if attr in ("DistributedDataParallel", "FullyShardedDataParallel"):
                         names.add(local)
-            for name in names:
+            for name in sorted(names):
                 # fully_shard works in place, often inside a helper of another file: look there too
                 for scope, call in self.values.calls(name, load=name == "fully_shard"):
                     for v in self.values.expr(call, scope):

@@ -143,7 +143,7 @@ def samplers_without_set_epoch(program) -> list:
             if attr == "DistributedSampler":
                 names.add(local)
     made = []
-    for name in names:
+    for name in sorted(names):
         for scope, call in values.calls(name):
             module = values.module_of(scope)
             for v in values.expr(call, scope):
@@ -193,7 +193,17 @@ def _prepared_loaders(program) -> set:
     return out
 
 
+_EPOCH_LOOP = re.compile(r"^[ \t]*(?:async[ \t]+)?for[ \t]+[\w, ()]*epoch\w*[\w, ()]*[ \t]+in[ \t]", re.M | re.I)
+
+
 def _has_epoch_loop(program) -> bool:
+    """Does the program loop over epochs? The files parsed so far, and the text of those the
+    analysis has not needed to parse (which of them it needed depends on what it followed)."""
+    project = program.project
+    for apath in list(project.catalog):
+        text = project._catalog_text(apath) if apath in project.catalog else None
+        if text is not None and _EPOCH_LOOP.search(text):
+            return True
     for module in program.project.modules():
         for node in ast.walk(module.tree):
             if isinstance(node, (ast.For, ast.While)):
