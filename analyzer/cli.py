@@ -7,6 +7,7 @@ import sys
 from typing import List, Optional
 
 from synccheck.analyzer.files import UsageError
+from synccheck.analyzer.source import replace_file
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,7 +108,7 @@ def lint_main(argv: List[str]) -> int:
         render(result, args.format, report, statistics=args.statistics, quiet=quiet,
                err=io.StringIO() if silent else sys.stderr)
         try:
-            _write_replacing(args.output_file, report.getvalue())
+            replace_file(args.output_file, report.getvalue().encode("utf-8"))
         except OSError as exc:
             print(f"synccheck lint: error: cannot write --output-file {args.output_file}: {exc.strerror or exc}",
                   file=sys.stderr)
@@ -157,44 +158,6 @@ def _check_output_file(path: str) -> None:
         check_output_path(path, "--output-file")
     except OutputError as exc:
         raise UsageError(str(exc)) from None
-
-
-def _write_replacing(path: str, text: str) -> None:
-    """Write `text` to `path` so that a reader never sees half a report and a failed write (a full
-    disk) leaves the previous file whole: a temporary file beside it, then an atomic rename. A symlink
-    is followed (its target is replaced), an existing file keeps its permissions."""
-    import tempfile
-
-    target = os.path.realpath(path)
-    folder = os.path.dirname(target) or "."
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
-    except OSError:
-        # a writable file in a folder we may not create files in: write it in place
-        with open(target, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        return
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        if os.path.exists(target):
-            import shutil
-            shutil.copymode(target, tmp)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def rule_main(argv: List[str]) -> int:

@@ -24,6 +24,40 @@ def read_bytes(path: str) -> Tuple[Optional[bytes], Optional[FileError]]:
         return None, FileError(path, f"cannot read: {exc.strerror or exc}")
 
 
+def replace_file(path: str, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` so that a reader never sees half a file and a failed write (a full
+    disk) leaves the old one whole: a temporary file beside it, then an atomic rename. A symlink is
+    followed (its target is replaced); an existing file keeps its permissions, a new one gets the
+    umask's. In a folder we may not create files in, a writable file is written in place."""
+    import shutil
+    import tempfile
+
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
+    except OSError:
+        with open(target, "wb") as fh:
+            fh.write(payload)
+        return
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+        if os.path.exists(target):
+            shutil.copymode(target, tmp)
+        else:
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def decode_source(path: str, data: bytes) -> Tuple[Optional[str], Optional[FileError]]:
     if b"\0" in data[:8192]:
         return None, FileError(path, "binary file, not Python source")

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional
 
 from synccheck.analyzer.fix.check import Overlap, added, analyse_text, apply_edits, span, verdict
 from synccheck.analyzer.ftypes import FileError
+from synccheck.analyzer.source import replace_file
 
 MAX_ROUNDS = 6
 
@@ -205,38 +206,10 @@ def write_back(outcome: Outcome, before_write=None) -> Optional[str]:
     if not os.access(path, os.W_OK) or not os.stat(path).st_mode & 0o222:
         return "not fixed: the file is read-only"
     try:
-        _replace(path, payload)
+        replace_file(path, payload)
     except OSError as exc:
         return f"not fixed: cannot write it: {exc.strerror or exc}"
     return None
-
-
-def _replace(path: str, payload: bytes) -> None:
-    """A temporary file beside it, then an atomic rename: a reader never sees half a file, and a full
-    disk leaves the old one whole. The file keeps its permissions; a symlink's target is replaced."""
-    import shutil
-    import tempfile
-
-    target = os.path.realpath(path)
-    folder = os.path.dirname(target) or "."
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=folder)
-    except OSError:
-        with open(target, "r+b") as fh:      # a folder we may not create files in: in place
-            fh.write(payload)
-            fh.truncate()
-        return
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-        shutil.copymode(target, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def unified_diff(outcome: Outcome) -> str:
