@@ -21,7 +21,7 @@ from synccheck.analyzer.project.state import (PLAIN, Control, EnvVal, Forward, T
                                               with_flag)
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bound, Cls, Const, CtxFactory,
                                                Ext, Framework, Func, Inner, Inst, NativeScaler, Obj, Optim,
-                                               Scaler, Tup, Unknown, Wrapper, site_of)
+                                               Scaler, Tup, Unknown, Wrapper, parameter_default, site_of)
 from synccheck.analyzer.parse import dotted as _dotted
 
 
@@ -287,11 +287,7 @@ def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:
 
 def _literal_default(node, name: str):
     """The default of parameter ``name`` when it is a literal (True, 0, None, "x"), else None."""
-    a = node.args
-    positional = a.posonlyargs + a.args
-    defaults = dict(zip([p.arg for p in positional[len(positional) - len(a.defaults):]], a.defaults))
-    defaults.update({p.arg: d for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None})
-    value = defaults.get(name)
+    value = parameter_default(node, name)
     return value if isinstance(value, ast.Constant) else None
 
 

@@ -15,7 +15,8 @@ from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import (Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper)
+from synccheck.analyzer.project.values import (Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper,
+                                               parameter_default)
 
 RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
@@ -463,12 +464,10 @@ def _literal_arguments(call: ast.Call, fn: Function, outer: dict) -> frozenset:
     if fn.is_method and positional:
         positional = positional[1:]
     values: dict = {}
-    defaults = a.defaults
-    for name, default in zip(positional[len(positional) - len(defaults):], defaults):
-        values[name] = default
-    for p, d in zip(a.kwonlyargs, a.kw_defaults):
-        if d is not None:
-            values[p.arg] = d
+    for name in positional + [p.arg for p in a.kwonlyargs]:
+        default = parameter_default(fn.node, name)
+        if default is not None:
+            values[name] = default
     for name, arg in zip(positional, call.args):
         values[name] = arg
     for kw in call.keywords:

@@ -349,7 +349,7 @@ class Values:
         annotation = self._annotation(fn, name)
         if annotation:
             out |= annotation
-        default = _default(node, name)
+        default = parameter_default(node, name)
         if default is not None:
             out |= self.expr(default, fn)
         # callers of callers of ...: past a few levels a parameter is what its default says
@@ -862,7 +862,8 @@ def _deco(node) -> str:
     return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
 
 
-def _default(node, name: str):
+def parameter_default(node, name: str):
+    """The default expression of parameter ``name`` of a function node, or None."""
     args = node.args
     positional = args.posonlyargs + args.args
     offset = len(positional) - len(args.defaults)
