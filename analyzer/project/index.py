@@ -324,7 +324,7 @@ class Project:
         chosen = []
         for apath in [a for a in self._catalog_imports if a in candidates and a in self.catalog]:
             if words:
-                text = self._catalog_text(apath)
+                text = self.catalog_text(apath)
                 if text is None or not any(w in text for w in words):
                     continue
             chosen.append(apath)
@@ -366,14 +366,14 @@ class Project:
         for apath in list(self.catalog):
             if apath not in self.catalog:
                 continue
-            text = self._catalog_text(apath)
+            text = self.catalog_text(apath)
             if text is not None and word in text:
                 module = self._from_catalog(apath)
                 if module is not None:
                     out.append(module)
         return out
 
-    def _catalog_text(self, apath: str) -> Optional[str]:
+    def catalog_text(self, apath: str) -> Optional[str]:
         """A catalogued file's text, read on first use; a file that cannot be read leaves the catalog."""
         path, text = self.catalog[apath]
         if text is None:

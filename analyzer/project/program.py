@@ -14,7 +14,8 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
-from synccheck.analyzer.project.values import (Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values, Wrapper)
+from synccheck.analyzer.project.values import (CALL_WORD, Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values,
+                                               Wrapper)
 
 # Calls whose names make a file worth a root: words a training loop must say.
 STEP_WORDS = ("step",)
@@ -23,10 +24,9 @@ SYNC_WORDS = ("no_sync", "require_backward_grad_sync", "set_requires_gradient_sy
 EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate", "set_requires_gradient_sync",
                          "no_backward_sync", "enter_context")) | vocab.GRAD_SYNC
 MAX_ROOT_WORK = 400_000
+_UNCALLED_NO_SYNC = re.compile(r"\.no_sync\b(?!\s*\()")
 # a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
 # sync control is where the schedule is)
-_UNCALLED_NO_SYNC = re.compile(r"\.no_sync\b(?!\s*\()")
-_CALL_NAME = re.compile(r"([A-Za-z_]\w*)\s*\(")
 ROOT_WORDS = ("step", "zero_grad", "no_sync", "backward", "accumulate", "require_backward_grad_sync")
 WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "prepare",
                         "prepare_model", "setup", "setup_module", "initialize"))
@@ -120,7 +120,7 @@ class Program:
                     if fn.node.name not in self._eventful and any(w in module.segment(fn.node) for w in ROOT_WORDS):
                         self._eventful.add(fn.node.name)
             self._eventful_seen = len(modules)
-        return not self._eventful.isdisjoint(_CALL_NAME.findall(segment))
+        return not self._eventful.isdisjoint(CALL_WORD.findall(segment))
 
     def _loop_reaches_backward(self, body, scope) -> bool:
         for loop in _loops(body):

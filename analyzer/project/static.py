@@ -202,7 +202,7 @@ def _has_epoch_loop(program) -> bool:
     analysis has not needed to parse (which of them it needed depends on what it followed)."""
     project = program.project
     for apath in list(project.catalog):
-        text = project._catalog_text(apath) if apath in project.catalog else None
+        text = project.catalog_text(apath) if apath in project.catalog else None
         if text is not None and _EPOCH_LOOP.search(text):
             return True
     for module in program.project.modules():

@@ -797,7 +797,8 @@ def _calls_named(module: Module, name: str, lines: list) -> list:
     return out
 
 
-_CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
+# ``name(`` in source text: a call of name (or its def), found without a parse
+CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
 
 
 def _call_lines(module: Module) -> dict:
@@ -813,7 +814,7 @@ def _call_lines(module: Module) -> dict:
             i = find("\n", i + 1)
         table = {}
         line, nxt = 1, (starts[1] if len(starts) > 1 else len(text) + 1)
-        for m in _CALL_WORD.finditer(text):
+        for m in CALL_WORD.finditer(text):
             at = m.start()
             if at >= nxt:
                 line = bisect.bisect_right(starts, at)
