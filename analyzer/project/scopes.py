@@ -8,7 +8,7 @@ their own and are not entered.
 from __future__ import annotations
 
 import ast
-from typing import Optional
+from typing import NamedTuple, Optional
 
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
@@ -16,7 +16,7 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
-                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls")
+                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -30,18 +30,55 @@ class ScopeInfo:
         self.declared_global: set = set()
         self.locals: set = set()
         self.inplace_wraps: list = []    # (name, call) for ``fully_shard(model)`` as a statement
+        self.spans: dict = {}            # name -> [Span], one per entry of assigns[name], same order
+        self.loops: list = []            # (first line, last line) of every loop in the scope
+        self.where = None                # the statement being read (while reading)
+
+    def reaching(self, name: str, line: int) -> Optional[tuple]:
+        """Which of ``assigns[name]`` can reach a use of the name on ``line``: (their indexes, whether
+        an earlier binding hides the parameter), or None when all of them can (and the parameter too). An assignment that runs on every path before the
+        use (not under a branch or a loop) hides the ones before it: after
+        ``model = accelerator.prepare(model)`` the name is the wrapper, not the module it was."""
+        spans = self.spans.get(name)
+        if not spans:
+            return None
+        loops = [loop for loop in self.loops if loop[0] <= line <= loop[1]]
+
+        def carried(span) -> bool:       # bound later in a loop around the use: reaches it next turn
+            return any(first <= span.first and span.last <= last for first, last in loops)
+
+        kill = None
+        for i, span in enumerate(spans):
+            if span.always and span.last < line and (kill is None or span.first > spans[kill].first):
+                kill = i
+        out = []
+        for i, span in enumerate(spans):
+            if kill is not None and i != kill and span.first <= spans[kill].last and not carried(span):
+                continue
+            if span.last < line or carried(span):
+                out.append(i)
+        if kill is None and len(out) == len(spans):
+            return None
+        return tuple(out), kill is not None
+
+
+class Span(NamedTuple):
+    first: int       # the binding statement's lines
+    last: int
+    always: bool     # runs whenever the scope runs this far: not under a branch, a loop or a handler
 
 
 def scope_info(body: list, params: list, self_name: Optional[str]) -> ScopeInfo:
     info = ScopeInfo()
     info.locals.update(params)
-    _statements(body, info, self_name)
+    _statements(body, info, self_name, True)
     info.locals -= info.declared_global
     return info
 
 
-def _statements(body, info: ScopeInfo, self_name) -> None:
+def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
     for stmt in body:
+        info.where = Span(stmt.lineno, getattr(stmt, "end_lineno", None) or stmt.lineno, always)
         if isinstance(stmt, FUNCTION_TYPES) or isinstance(stmt, ast.ClassDef):
             info.locals.add(stmt.name)
             for deco in stmt.decorator_list:
@@ -99,19 +136,35 @@ def _statements(body, info: ScopeInfo, self_name) -> None:
         for field in ("body", "orelse", "finalbody"):
             block = getattr(stmt, field, None)
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
-                _statements(block, info, self_name)
+                _statements(block, info, self_name, always and _unconditional(stmt, field))
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            info.loops.append((stmt.lineno, stmt.end_lineno or stmt.lineno))
         for handler in getattr(stmt, "handlers", ()):
             if handler.name:
                 info.locals.add(handler.name)
-            _statements(handler.body, info, self_name)
+            _statements(handler.body, info, self_name, False)
         if isinstance(stmt, ast.Match):
             for case in stmt.cases:
-                _statements(case.body, info, self_name)
+                _statements(case.body, info, self_name, False)
+
+
+def _unconditional(stmt, field: str) -> bool:
+    """Does this block of ``stmt`` run whenever ``stmt`` does? (``with`` bodies, ``try`` bodies and
+    ``finally``, the body of ``if __name__ == "__main__":``.)"""
+    if isinstance(stmt, (ast.With, ast.AsyncWith)):
+        return True
+    if isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
+        return field in ("body", "finalbody")
+    if isinstance(stmt, ast.If) and field == "body":
+        test = stmt.test
+        return isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+    return False
 
 
 def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
     if isinstance(target, ast.Name):
         info.assigns.setdefault(target.id, []).append((value, path))
+        info.spans.setdefault(target.id, []).append(info.where)
         info.locals.add(target.id)
     elif isinstance(target, (ast.Tuple, ast.List)):
         for i, el in enumerate(target.elts):
@@ -148,6 +201,7 @@ def _expr(node, info: ScopeInfo) -> None:
             info.calls.append(sub)
         elif t is ast.NamedExpr and isinstance(sub.target, ast.Name):
             info.assigns.setdefault(sub.target.id, []).append((sub.value, ()))
+            info.spans.setdefault(sub.target.id, []).append(Span(sub.lineno, sub.end_lineno or sub.lineno, False))
             info.locals.add(sub.target.id)
         elif t in (ast.Yield, ast.YieldFrom):
             info.has_yield = True

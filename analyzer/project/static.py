@@ -37,7 +37,9 @@ def no_sync_on_unwrapped(program) -> list:
     values = program.values
     out = []
     wrapping = program.wrapping()
-    for scope, call in values.calls("no_sync", load=True) + values.calls("no_backward_sync", load=True):
+    calls = values.calls("no_sync", load=True) + values.calls("no_backward_sync", load=True) + \
+        values.calls("accumulate")
+    for scope, call in calls:
         module = values.module_of(scope)
         if not module.linted or not isinstance(call.func, ast.Attribute):
             continue
@@ -51,6 +53,9 @@ def no_sync_on_unwrapped(program) -> list:
         target = values.expr(target_node, scope)
         if program.wrappers(target) or any(isinstance(v, (Unknown,)) for v in target):
             continue
+        if call.args and _forwards_through(scope, call, target_node):
+            # the whole step uses the unprepared object (a sloppy example, not a half-wrapped loop)
+            continue
         how = _text(module, call)
         inner = [v for v in target if isinstance(v, Inner)]
         if inner:
@@ -60,6 +65,19 @@ def no_sync_on_unwrapped(program) -> list:
         if wrapped:
             out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
     return out
+
+
+def _forwards_through(scope, ctx_call, target) -> bool:
+    """Does the ``with`` that enters ``ctx_call`` run a forward through ``target`` itself?"""
+    tree = getattr(scope, "node", None) or getattr(scope, "tree", None)
+    if tree is None:
+        return False
+    wanted = ast.dump(target)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)) and any(i.context_expr is ctx_call for i in node.items):
+            return any(isinstance(sub, ast.Call) and ast.dump(sub.func) == wanted
+                       for stmt in node.body for sub in ast.walk(stmt))
+    return False
 
 
 def _binding(program, wrapper: Wrapper) -> str:

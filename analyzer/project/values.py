@@ -251,10 +251,15 @@ class Values:
         return result
 
     # -- names ---------------------------------------------------------------------------------------
-    def name(self, name: str, scope) -> frozenset:
+    def name(self, name: str, scope, line: int = 0) -> frozenset:
+        """What ``name`` can hold in ``scope``; on ``line``, only the bindings that reach that line."""
         if isinstance(scope, Function):
             info = self.info(scope)
             if name in info.locals:
+                reach = info.reaching(name, line) if line else None
+                if reach is not None:
+                    return self._memoized(("local", scope.uid, name, reach),
+                                          lambda: self._local(name, scope, info, reach))
                 return self._memoized(("local", scope.uid, name), lambda: self._local(name, scope, info))
             outer = scope.parent
             while outer is not None:
@@ -262,15 +267,19 @@ class Values:
                     return self.name(name, outer)
                 outer = outer.parent
             return self.module_name(name, scope.module)
+        if line:
+            reach = self.info(scope).reaching(name, line)
+            if reach is not None:
+                return self._memoized(("global", scope.path, name, reach), lambda: self._global(name, scope, reach))
         return self.module_name(name, scope)
 
     def module_name(self, name: str, module: Module) -> frozenset:
         return self._memoized(("global", module.path, name), lambda: self._global(name, module))
 
-    def _global(self, name: str, module: Module) -> frozenset:
+    def _global(self, name: str, module: Module, reach=None) -> frozenset:
         info = self.info(module)
         out = set()
-        for value, path in info.assigns.get(name, ()):
+        for value, path in _reaching(info.assigns.get(name, ()), reach):
             out |= self.unpack(self.expr(value, module), path, value, module)
         for target, call in info.inplace_wraps:
             if target == name:
@@ -286,13 +295,13 @@ class Values:
             out.add(Ext(name) if name in _BUILTINS else Obj((module.path, "<free>", name)))
         return frozenset(out)
 
-    def _local(self, name: str, fn: Function, info) -> frozenset:
+    def _local(self, name: str, fn: Function, info, reach=None) -> frozenset:
         out = set()
-        key = ("local", fn.uid, name)
-        assigns = info.assigns.get(name, ())
+        key = ("local", fn.uid, name) if reach is None else ("local", fn.uid, name, reach)
+        assigns = _reaching(info.assigns.get(name, ()), reach)
         # bindings that do not mention the name first: a cycle through the name then sees them
         ordered = sorted(assigns, key=lambda a: _mentions(a[0], name))
-        if name in fn.params:
+        if name in fn.params and not (reach and reach[1]):
             out |= self.parameter(fn, name)
             self._provisional[key] = frozenset(out)
         for value, path in ordered:
@@ -436,7 +445,7 @@ class Values:
     def expr(self, node, scope) -> frozenset:
         t = type(node)
         if t is ast.Name:
-            return self.name(node.id, scope)
+            return self.name(node.id, scope, node.lineno)
         if t is ast.Attribute:
             return self.attribute(self.expr(node.value, scope), node.attr, node, scope)
         if t is ast.Call:
@@ -826,6 +835,13 @@ def _call_lines(module: Module) -> dict:
     return table
 
 
+def _reaching(assigns, reach) -> list:
+    """The bindings a use can see (``ScopeInfo.reaching``): all of them when ``reach`` is None."""
+    if reach is None:
+        return list(assigns)
+    return [assigns[i] for i in reach[0]]
+
+
 def _mentions(node, name: str) -> bool:
     return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
 
@@ -930,6 +946,9 @@ def _single_device(call: ast.Call) -> bool:
 
 
 def _named(node, words: tuple) -> bool:
+    """Does the name (or the called function's name: ``build_optimizer(model)``) say what it is?"""
+    if isinstance(node, ast.Call):
+        node = node.func
     text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     text = text.lower()
     return any(w in text for w in words)

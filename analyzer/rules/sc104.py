@@ -6,9 +6,10 @@ class NoSyncOnUnwrapped(Rule):
     name = "no-sync-on-unwrapped"
     severity = "error"
     summary = "no_sync() is called on the original module, not on the DDP/FSDP wrapper"
-    requires = ("no_sync",)
+    words = ("no_sync", "no_backward_sync", "accumulate(")
     what = """
-        Finds `no_sync()` (and `accelerator.no_sync(...)`, `fabric.no_backward_sync(...)`) applied to
+        Finds `no_sync()` (and `accelerator.no_sync(...)`, `accelerator.accumulate(...)`,
+        `fabric.no_backward_sync(...)`) applied to
         something that is not the data-parallel wrapper: `model.module.no_sync()`, or the module
         that was passed to `DistributedDataParallel(...)` / `accelerator.prepare(...)` when the
         wrapper was bound to another name.
@@ -17,7 +18,9 @@ class NoSyncOnUnwrapped(Rule):
         Only the wrapper knows how to skip the all-reduce. A plain `nn.Module` has no `no_sync`:
         `model.module.no_sync()` raises `AttributeError`, and `accelerator.no_sync(original)` quietly
         falls back to a `nullcontext()`, so every micro-step keeps all-reducing while the code reads
-        as if it did not.
+        as if it did not. The same holds for `accelerator.accumulate(original)`, which calls
+        `no_sync` on what it is given, and for an alias of the module taken before `prepare()`
+        rebound the name (`raw = model; model = accelerator.prepare(model)`).
     """
     use_instead = "Call it on the object returned by the wrapper (`ddp_model.no_sync()`)."
     fix_safety = """
@@ -47,6 +50,18 @@ class NoSyncOnUnwrapped(Rule):
         ddp = DDP(net)
         with net.no_sync():  # SC104
             ddp(x).sum().backward()
+    """, """
+        from accelerate import Accelerator
+
+        def train(model, optimizer, loader):
+            accelerator = Accelerator(gradient_accumulation_steps=4)
+            raw = model
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for batch in loader:
+                with accelerator.accumulate(raw):  # SC104
+                    accelerator.backward(model(batch).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
     """)
     VALID = ("""
         from accelerate import Accelerator
@@ -66,6 +81,17 @@ class NoSyncOnUnwrapped(Rule):
         model = DDP(model)
         with model.no_sync():
             model(x).sum().backward()
+    """, """
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(gradient_accumulation_steps=4)
+        model = build()
+        model, optimizer = accelerator.prepare(model, build_optimizer(model))
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(batch).mean())
+                optimizer.step()
+                optimizer.zero_grad()
     """)
 
     def check(self, ctx):
