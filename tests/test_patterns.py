@@ -15,12 +15,10 @@ PATTERNS = Path(__file__).parent / "fixtures" / "patterns"
 
 # what real code does that the analyzer does not model yet (see each folder's README.md)
 KNOWN_GAPS = {
-    "02_accelerate_prepare_in_helper_epoch_method": "prepare() in a helper method, loop in a per-epoch method",
     "03_accelerate_prepare_starred_list": "accelerator.prepare(*parts) with a starred list",
     "04_accumulate_on_outer_wrapper_of_prepared_model": "accumulate() on a module that wraps the prepared model",
     "05_lazy_property_wraps_ddp": "a lazy @property that wraps the model in DDP",
     "06_ddp_subclass_with_runtime_base": "a DDP subclass whose base is chosen at run time",
-    "08_optimizer_from_list_or_dict": "optimizers kept in a list or a dict",
     "11_lightning_manual_optimization_training_step": "Lightning manual optimization is not modelled",
     "16_accelerator_passed_through_kwargs_dict": "arguments passed as **dict",
     "17_chunked_backward_loop_step_in_sibling_method": "backward in __call__, step in a sibling method",

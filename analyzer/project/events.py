@@ -19,7 +19,7 @@ from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.state import (PLAIN, Control, EnvVal, Forward, Token, sync_state,
                                               with_flag)
-from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bound, Cls, Const, CtxFactory,
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Bound, Cls, Const, CtxFactory,
                                                Ext, Framework, Func, Inner, Inst, NativeScaler, Obj, Optim,
                                                Scaler, Tup, Unknown, Wrapper, parameter_default, site_of)
 from synccheck.analyzer.parse import dotted as _dotted
@@ -79,7 +79,7 @@ def expr(flow, node, st, fr) -> EnvVal:
         known = st.env.get(node.id)
         if known is not None:
             return known
-        return _val(flow.values.name(node.id, fr.scope))
+        return _val(flow.values.name(node.id, fr.scope, node.lineno))
     if t is ast.Attribute:
         dotted = _dotted(node)
         if dotted is not None and dotted in st.env:
@@ -133,12 +133,18 @@ def expr(flow, node, st, fr) -> EnvVal:
         recv = expr(flow, node.value, st, fr)
         expr(flow, node.slice, st, fr)
         vals = flow.values.expr(node, fr.scope) if isinstance(node.slice, ast.Constant) else ONE_UNKNOWN
-        if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
-            picked = frozenset()
-            for v in recv.values:
-                if isinstance(v, Tup) and -len(v.items) <= node.slice.value < len(v.items):
-                    picked |= v.items[node.slice.value]
-            vals = picked or vals
+        index = node.slice.value if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int) \
+            else None
+        picked = set()
+        for v in recv.values:
+            if isinstance(v, Tup):
+                if index is not None and -len(v.items) <= index < len(v.items):
+                    picked |= v.items[index]
+                elif index is None and type(node.slice) is not ast.Slice:
+                    picked.update(x for part in v.items for x in part)
+            elif isinstance(v, Bag) and type(node.slice) is not ast.Slice:
+                picked |= v.items
+        vals = frozenset(picked) or vals
         return _val(vals, recv.prov, recv.scaled)
     if t is ast.Constant:
         return _val(frozenset((Const(node.value),)) if isinstance(node.value, (bool, int, type(None))) else ONE_UNKNOWN)
@@ -587,8 +593,10 @@ def _name(node) -> str:
         return node.id.lower()
     if isinstance(node, ast.Subscript):
         inner = node.slice
-        if isinstance(inner, ast.Constant) and isinstance(inner.value, str):
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, str) and \
+                vocab.looks_like_optimizer(inner.value.lower()):
             return inner.value.lower()
+        return _name(node.value)     # ``self.optimizers["model"]``: one of the optimizers
     return ""
 
 
@@ -718,8 +726,8 @@ def step(flow, node, optims: frozenset, st, fr) -> None:
     # ``accelerator.sync_gradients`` holds: off the boundary the step is a no-op
     managed = bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)
     gate = _sync_gradients_atom(flow) if managed else None
-
-    loops = tuple(flow.loop_stack)
+    # stepping each of several optimizers in a loop is one step, in the loops around that loop
+    loops = tuple(i for i in flow.loop_stack if i not in flow.optimizer_loops)
 
     def transfer(prop, guard):
         flow.records.reached(site, guard)

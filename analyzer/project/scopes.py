@@ -16,7 +16,7 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
-                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where")
+                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -33,6 +33,8 @@ class ScopeInfo:
         self.spans: dict = {}            # name -> [Span], one per entry of assigns[name], same order
         self.loops: list = []            # (first line, last line) of every loop in the scope
         self.where = None                # the statement being read (while reading)
+        self.fors: dict = {}             # name -> [(iterated expr, unpack path)]   (for name in expr)
+        self.item_stores: dict = {}      # name -> [value expr]   (name[key] = value)
 
     def reaching(self, name: str, line: int) -> Optional[tuple]:
         """Which of ``assigns[name]`` can reach a use of the name on ``line``: (their indexes, whether
@@ -103,6 +105,7 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
             for name in _names(stmt.target):
                 info.for_names.add(name)
                 info.locals.add(name)
+            _bind_for(stmt.target, stmt.iter, (), info)
         elif isinstance(stmt, (ast.With, ast.AsyncWith)):
             for item in stmt.items:
                 _expr(item.context_expr, info)
@@ -180,6 +183,16 @@ def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
             info.obj_attrs.append((target.value, target.attr, value, path))
     elif isinstance(target, ast.Starred):
         _bind(target.value, value, path, info, self_name)
+    elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and not path:
+        info.item_stores.setdefault(target.value.id, []).append(value)
+
+
+def _bind_for(target, iterated, path: tuple, info: ScopeInfo) -> None:
+    if isinstance(target, ast.Name):
+        info.fors.setdefault(target.id, []).append((iterated, path))
+    elif isinstance(target, (ast.Tuple, ast.List)):
+        for i, el in enumerate(target.elts):
+            _bind_for(el, iterated, path + (i,), info)
 
 
 def _names(target) -> list:

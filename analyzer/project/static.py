@@ -51,7 +51,12 @@ def no_sync_on_unwrapped(program) -> list:
         else:
             target_node = call.func.value
         target = values.expr(target_node, scope)
-        if program.wrappers(target) or any(isinstance(v, (Unknown,)) for v in target):
+        if program.wrappers(target):
+            continue
+        # something we cannot see may be the wrapper, unless what we do see is a module known to
+        # have been wrapped elsewhere (``training_models[0]`` holding the module before prepare())
+        if any(isinstance(v, Unknown) for v in target) and \
+                not any(isinstance(v, Obj) and wrapping.get(v) for v in target):
             continue
         if call.args and _forwards_through(scope, call, target_node):
             # the whole step uses the unprepared object (a sloppy example, not a half-wrapped loop)

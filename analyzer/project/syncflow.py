@@ -138,6 +138,7 @@ class Flow:
         self.work = 0
         self.incomplete = False
         self.loop_stack: list = []       # ids of the loops being executed, callers' included
+        self.optimizer_loops: set = set()  # ids of ``for opt in optimizers: opt.step()`` loops
         self.call_stack: list = []       # (module, call) of the project calls being analysed in place
         self.loop_owner: dict = {}       # loop id -> (module, depth of call_stack) where it runs
         self.helpers: dict = {}          # call id -> a @contextmanager helper call, entered by a with
@@ -296,6 +297,9 @@ class Flow:
         counted = is_for and info.bound is not None and self.program.loop_runs_backward(s, fr)
         ctx = LoopCtx(info, None)
         last = self.last_atom(ctx) if counted else None
+        turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
+        if is_for and _steps_each(s):
+            self.optimizer_loops.add(info.id)
         entry = St({p._replace(first=p.first | {info.id}): g for p, g in st.props.items()}, dict(st.env))
         head = entry
         end = None
@@ -304,7 +308,7 @@ class Flow:
             fr.loops.append(ctx)
             body_in = head.copy()
             if is_for:
-                events.assign(self, s.target, EnvVal(((TRUE, ONE_UNKNOWN),), version=id(s)), s, body_in, fr,
+                events.assign(self, s.target, EnvVal(((TRUE, turn),), version=id(s)), s, body_in, fr,
                               version=id(s))
             else:
                 true, _ = self.conds.cond(s.test, body_in, fr, self.program.relevant_branch(s, fr))
@@ -323,6 +327,8 @@ class Flow:
         exits = list(ctx.breaks)
         if last is not None:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
+        elif is_for and end is not None and info.id in self.optimizer_loops:
+            exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
         elif is_for:
             exits.append(head)
         else:
@@ -528,3 +534,13 @@ def _loop_head(node, flow) -> str:
     else:
         text = f"while {ast.unparse(node.test)}"
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def _steps_each(loop) -> bool:
+    """``for opt in opts: opt.step()``: a loop over optimizers, which runs at least once."""
+    if not isinstance(loop.target, ast.Name):
+        return False
+    name = loop.target.id
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and
+               isinstance(n.func.value, ast.Name) and n.func.value.id == name
+               for stmt in loop.body for n in ast.walk(stmt))

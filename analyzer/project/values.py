@@ -32,6 +32,7 @@ MAX_VALUES = 24
 MAX_CALLERS = 120
 MAX_DEPTH = 48            # values being computed at once (a chain of parameters, returns, attributes)
 MAX_WORK = 200_000        # values computed per project: past it, what is not known is unknown
+MAX_REDONE = 20_000        # past it, values seen inside a cycle are kept as they were then
 MAX_PARAM_DEPTH = 5       # parameters followed to their callers' arguments at once
 _BUILTINS = frozenset(dir(builtins))
 
@@ -134,6 +135,13 @@ class Tup(NamedTuple):
     items: tuple              # of frozensets
 
 
+class Bag(NamedTuple):
+    """A list, set or dict whose elements we know but not their order: ``[unet]`` grown by
+    ``append``, ``{"g": opt_g, "d": opt_d}``, ``[opts[k] for k in opts]``."""
+    items: frozenset
+    keyed: bool = False       # a dict: iterating it gives its keys, not these
+
+
 class Const(NamedTuple):
     value: object
 
@@ -181,6 +189,8 @@ class Values:
         self._busy: set = set()
         self._hits: set = set()
         self._provisional: dict = {}
+        self._tentative: dict = {}    # key -> (value, the open cycles' heads whose guess it saw)
+        self.redone = 0               # tentative values dropped to be computed again
         self.spent = 0
         self.exhausted = False
         self.sites: dict = {}         # site -> (call node, scope): what a wrapper wraps, an optimizer owns
@@ -188,7 +198,7 @@ class Values:
         self._calls_checked: dict = {}    # name -> how many modules were looked at for it
 
     def close(self) -> None:
-        for store in (self._memo, self._plain, self._provisional, self.sites):
+        for store in (self._memo, self._plain, self._provisional, self._tentative, self.sites):
             store.clear()
         self._calls = {}
 
@@ -216,12 +226,16 @@ class Values:
         A cycle returns what is known so far to the inner request (``_local`` evaluates a name's
         plain bindings before the ones that mention the name itself, so ``model = model.to(dev)`` and
         ``a, b = accelerator.prepare(a, b)`` see the earlier bindings) and is iterated at its head. A
-        value computed inside a cycle is kept as it was then: it may miss what the rest of the cycle
-        adds, and is never computed twice, so the cost stays linear in what is asked.
+        value computed inside a cycle, from the head's guess, is kept only until the head is done
+        (``self.model`` read while ``self.model, opt = accelerator.prepare(self.model, opt)`` is being
+        evaluated must not stay without the wrapper); asked again afterwards, it is computed afresh.
         """
         hit = self._memo.get(key)
         if hit is not None:
             return hit
+        hit = self._tentative.get(key)
+        if hit is not None:
+            return hit[0]
         if key in self._busy:
             self._hits.add(key)
             return self._provisional.get(key, EMPTY)
@@ -231,11 +245,13 @@ class Values:
         self.spent += 1
         self._busy.add(key)
         outer_hits, self._hits = self._hits, set()
+        head = False
         try:
             result = _cap(compute())
             for _ in range(2):
                 if key not in self._hits:
                     break
+                head = True
                 self._hits.discard(key)
                 self._provisional[key] = result
                 again = _cap(result | compute())
@@ -246,8 +262,18 @@ class Values:
             self._busy.discard(key)
             self._provisional.pop(key, None)
             hits, self._hits = self._hits, outer_hits
-            self._hits |= hits - {key}
-        self._memo[key] = result
+            pending = hits - {key}
+            self._hits |= pending
+        if head and self._tentative:
+            # what was computed from this head's guess is computed again when next asked
+            stale = [k for k, (_, deps) in self._tentative.items() if key in deps]
+            self.redone += len(stale)
+            for k in stale:
+                del self._tentative[k]
+        if pending and self.redone < MAX_REDONE:
+            self._tentative[key] = (result, frozenset(pending))
+        else:
+            self._memo[key] = result
         return result
 
     # -- names ---------------------------------------------------------------------------------------
@@ -284,8 +310,11 @@ class Values:
         for target, call in info.inplace_wraps:
             if target == name:
                 out |= self.expr(call, module)
-        if name in info.with_as or name in info.for_names:
+        out = self._grown(name, out, info, module)
+        if name in info.with_as:
             out.add(UNKNOWN)
+        if name in info.for_names:
+            out |= self._iterated(name, info, module)
         sym = self.project.resolve(module, name) if not out else None
         if sym is not None and not isinstance(sym, GlobalRef):
             out |= self.symbol(sym)
@@ -312,14 +341,85 @@ class Values:
                 out |= self.expr(call, fn)
         if name in fn.nested:
             out.add(Func(fn.nested[name]))
+        out = self._grown(name, out, info, fn)
         for ctx_expr in info.with_as.get(name, ()):
             out |= self.entered(self.expr(ctx_expr, fn))
         if name in info.for_names:
-            out.add(UNKNOWN)
+            out |= self._iterated(name, info, fn)
         if name in fn.module.imports and not out:
             sym = self.project.resolve(fn.module, name)
             if sym is not None:
                 out |= self.symbol(sym)
+        return frozenset(out) or ONE_UNKNOWN
+
+    def _grown(self, name: str, out: set, info, scope) -> set:
+        """A list or dict the scope fills in place (``models.append(unet)``, ``opts["g"] = opt``)
+        holds what was put in it too."""
+        added = [value for value in info.item_stores.get(name, ())]
+        spread = []
+        for call in info.calls:
+            func = call.func
+            if type(func) is ast.Attribute and type(func.value) is ast.Name and func.value.id == name:
+                if func.attr in ("append", "add") and call.args:
+                    added.append(call.args[0])
+                elif func.attr in ("insert", "setdefault") and len(call.args) > 1:
+                    added.append(call.args[1])
+                elif func.attr in ("extend", "update") and call.args:
+                    spread.append(call.args[0])
+        if not added and not spread:
+            return out
+        items, keyed, rest = set(), False, set()
+        for v in out:
+            if isinstance(v, Tup):
+                items.update(x for part in v.items for x in part)
+            elif isinstance(v, Bag):
+                items |= v.items
+                keyed = keyed or v.keyed
+            else:
+                rest.add(v)
+        if len(rest) == len(out):
+            return out
+        for node in added:
+            items |= self.expr(node, scope)
+        for node in spread:
+            items |= self.elements(self.expr(node, scope), values_of_dict=True)
+        return rest | {Bag(_cap(items), keyed)}
+
+    def _iterated(self, name: str, info, scope) -> frozenset:
+        """What ``for name in expr`` binds: the elements of a list or tuple we know, else unknown."""
+        out = set()
+        for node, path in info.fors.get(name, ()):
+            out |= self.unpack(self.iteration(node, scope), path, node, scope)
+        return frozenset(out) or ONE_UNKNOWN
+
+    def iteration(self, node, scope) -> frozenset:
+        """The values one turn of ``for x in node`` gives ``x``."""
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if isinstance(func, ast.Name) and func.id == "enumerate":
+                return frozenset((Tup((ONE_UNKNOWN, self.iteration(node.args[0], scope))),))
+            if isinstance(func, ast.Name) and func.id == "zip":
+                return frozenset((Tup(tuple(self.iteration(a, scope) for a in node.args)),))
+            if isinstance(func, ast.Name) and func.id in ("list", "tuple", "reversed", "sorted", "iter"):
+                return self.iteration(node.args[0], scope)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+            if node.func.attr == "values":
+                return self.elements(self.expr(node.func.value, scope), values_of_dict=True)
+            if node.func.attr == "items":
+                return frozenset((Tup((ONE_UNKNOWN, self.elements(self.expr(node.func.value, scope),
+                                                                   values_of_dict=True))),))
+        return self.elements(self.expr(node, scope))
+
+    @staticmethod
+    def elements(values: frozenset, values_of_dict: bool = False) -> frozenset:
+        out = set()
+        for v in values:
+            if isinstance(v, Tup):
+                out.update(x for part in v.items for x in part)
+            elif isinstance(v, Bag) and (values_of_dict or not v.keyed):
+                out |= v.items
+            else:
+                out.add(UNKNOWN)
         return frozenset(out) or ONE_UNKNOWN
 
     def symbol(self, sym) -> frozenset:
@@ -459,13 +559,28 @@ class Values:
         if t is ast.Subscript:
             base = self.expr(node.value, scope)
             index = node.slice
-            if isinstance(index, ast.Constant) and isinstance(index.value, int):
-                out = set()
-                for v in base:
-                    if isinstance(v, Tup) and -len(v.items) <= index.value < len(v.items):
+            if type(index) is ast.Slice:
+                return frozenset(v for v in base if isinstance(v, (Tup, Bag))) or ONE_UNKNOWN
+            const = isinstance(index, ast.Constant) and isinstance(index.value, int)
+            out = set()
+            for v in base:
+                if isinstance(v, Tup):
+                    if const and -len(v.items) <= index.value < len(v.items):
                         out |= v.items[index.value]
-                return frozenset(out) or ONE_UNKNOWN
-            return ONE_UNKNOWN
+                    elif not const:
+                        out.update(x for part in v.items for x in part)
+                elif isinstance(v, Bag):
+                    out |= v.items
+            return frozenset(out) or ONE_UNKNOWN
+        if t is ast.Dict:
+            items = frozenset().union(*(self.expr(v, scope) for v in node.values if v is not None))
+            return frozenset((Bag(_cap(items), True),))
+        if t is ast.Set:
+            return frozenset((Bag(_cap(frozenset().union(*(self.expr(v, scope) for v in node.elts))), False),))
+        if t in (ast.ListComp, ast.SetComp, ast.GeneratorExp):
+            return frozenset((Bag(_cap(self.expr(node.elt, scope)), False),))
+        if t is ast.DictComp:
+            return frozenset((Bag(_cap(self.expr(node.value, scope)), True),))
         if t is ast.Constant:
             return frozenset((Const(node.value),)) if isinstance(node.value, (bool, int, type(None))) else ONE_UNKNOWN
         if t is ast.NamedExpr:
@@ -480,6 +595,9 @@ class Values:
             for v in values:
                 if isinstance(v, Tup) and index < len(v.items):
                     out |= v.items[index]
+                elif isinstance(v, Obj):
+                    # ``text_encoder, vae, unet = load(...)``: still one object each, known by its place
+                    out.add(Obj(v.site + (f"[{index}]",)))
                 else:
                     out.add(UNKNOWN)
             values = frozenset(out)
