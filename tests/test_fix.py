@@ -239,6 +239,65 @@ def test_notebook_is_fixed_cell_by_cell(tmp_path):
     assert run("lint", "--no-cache", str(tmp_path)).returncode == 0
 
 
+CONDITIONAL = BAD_LOOP.replace("model = DDP(model)\n", "if rank != -1:\n    model = DDP(model)\n")
+
+
+@pytest.mark.parametrize("source,guarded", [
+    (BAD_LOOP, False),
+    (CONDITIONAL, True),
+    (BAD_LOOP.replace("model = DDP(model)", "model = DDP(model) if distributed else model"), True),
+    (BAD_LOOP.replace("model = DDP(model)\n", "try:\n    model = DDP(model)\nexcept RuntimeError:\n    pass\n"), True),
+    (BAD_LOOP.replace("model = DDP(model)\n", "try:\n    pass\nfinally:\n    model = DDP(model)\n"), False),
+])
+def test_a_model_not_wrapped_on_every_path_gets_a_guarded_no_sync(source, guarded):
+    new, fixed, left = fix_text("t.py", source, list(ALL_RULES), FixOptions())
+    assert [f.code for f in fixed] == ["SC101"] and not left
+    assert ('or not hasattr(model, "no_sync") else model.no_sync()' in new) == guarded
+    # run the micro-steps with a plain module on the unwrapped path: no AttributeError
+    if guarded:
+        class Plain:
+            def __call__(self, x):
+                return self
+
+            def sum(self):
+                return self
+
+            def __truediv__(self, n):
+                return self
+
+            def backward(self):
+                pass
+
+        class Optimizer:
+            steps = 0
+
+            def step(self):
+                Optimizer.steps += 1
+
+            def zero_grad(self):
+                pass
+
+        def unavailable(module):
+            raise RuntimeError("no process group")
+
+        body = new.split("\n", 1)[1] if new.startswith("import contextlib") else new
+        exec(compile("import contextlib\n" + body.replace("from torch.nn.parallel import DistributedDataParallel as DDP\n", ""),
+                     "t.py", "exec"),
+             {"rank": -1, "distributed": False, "model": Plain(), "DDP": unavailable, "loader": [(1, 2)] * 8,
+              "optimizer": Optimizer()})
+        assert Optimizer.steps == 2
+
+
+def test_static_graph_ddp_is_not_rewritten():
+    source = BAD_LOOP.replace("DDP(model)", "DDP(model, static_graph=True)")
+    (f,) = [f for f in check_source(source, "t.py") if f.code == "SC101"]
+    assert "static_graph" in f.autofix["reason"] and "edits" not in f.autofix
+    new, fixed, _ = fix_text("t.py", source, list(ALL_RULES), ALL)
+    assert new == source and not fixed
+    (g,) = check_source(source.replace("static_graph=True", "static_graph=False"), "t.py")
+    assert g.autofix.get("edits")
+
+
 def test_rule_docs_have_fix_safety():
     for rule in ALL_RULES:
         assert "## Fix safety" in rule.documentation()
