@@ -162,8 +162,11 @@ def corpus(mirror: Path, work: Path, only, out_json) -> dict:
                 if any(now[c] > was[c] for c in now):
                     totals["fixed files where a fix added a finding"] += 1
                     row["added"] = sorted(c for c in now if now[c] > was[c])
-                row["diff_lines"] = sum(1 for a, b in zip(data.splitlines(), text.splitlines()) if a != b) + \
-                    abs(len(data.splitlines()) - len(text.splitlines()))
+                import difflib
+                old_lines = data.decode("utf-8", "replace").splitlines()
+                new_lines = text.decode("utf-8", "replace").splitlines()
+                row["diff_lines"] = sum(1 for line in difflib.unified_diff(old_lines, new_lines, lineterm="", n=0)
+                                        if line[:1] in "+-" and line[:3] not in ("+++", "---"))
             rows.append(row)
             print(f"{e['repo']}:{e['path']}: {row['before']} -> fixed {row['fixed']}"
                   + (f", after {row['after']}" if "after" in row else "")
