@@ -301,3 +301,45 @@ def test_static_graph_ddp_is_not_rewritten():
 def test_rule_docs_have_fix_safety():
     for rule in ALL_RULES:
         assert "## Fix safety" in rule.documentation()
+
+
+def _offers(findings) -> list:
+    return sorted((os.path.relpath(f.path), f.line, f.code, f.autofix.get("applicability"))
+                  for f in findings if f.autofix and (f.autofix.get("edits") or f.autofix.get("deferred")))
+
+
+def test_a_plain_lint_knows_the_fixes_without_building_them():
+    from synccheck.analyzer.engine import lint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [os.path.join(root, "examples"), os.path.join(root, "tests", "fixtures")]
+    eager = lint(paths, jobs=1)
+    lazy = lint(paths, jobs=1, edits=False)
+    assert [f._replace(autofix=None) for f in lazy.findings] == [f._replace(autofix=None) for f in eager.findings]
+    offered = _offers(eager.findings)
+    assert len(offered) >= 40 and _offers(lazy.findings) == offered
+    for f in lazy.findings:
+        assert not (f.autofix or {}).get("edits") or f.path.endswith(".ipynb")
+    # nothing of libcst was even imported: the rewrite is what a plain lint saves
+    probe = ("import sys; from synccheck.analyzer.engine import lint; "
+             f"r = lint({paths!r}, jobs=1, edits=False); "
+             "print(sum(1 for f in r.findings if f.autofix and f.autofix.get('deferred')), 'libcst' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(len(offered)), "False"]
+
+
+def test_fixable_count_is_what_fix_unsafe_fixes_fixes(tmp_path):
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the lint fixtures add findings with no fix (the forward in another method, SC104, SC301...)
+    for folder in ("examples", os.path.join("tests", "fixtures", "fixable"), os.path.join("tests", "fixtures", "lint")):
+        shutil.copytree(os.path.join(root, folder), tmp_path / os.path.basename(folder))
+    summary = run("lint", "--no-cache", "--unsafe-fixes", ".", cwd=tmp_path).stdout
+    (count,) = [int(line.split()[1]) for line in summary.splitlines() if line.startswith("[*] ")
+                and line.endswith("fixable with --fix")]
+    data = json.loads(run("lint", "--no-cache", "--format", "json", ".", cwd=tmp_path).stdout)
+    assert count == sum(1 for f in data["findings"] if f["fix"]["edits"])
+    assert len(data["findings"]) > count + 5
+    fixed = run("lint", "--no-cache", "--fix", "--unsafe-fixes", ".", cwd=tmp_path)
+    assert f"Fixed {count} problems." in fixed.stdout, fixed.stdout

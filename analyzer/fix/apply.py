@@ -33,13 +33,17 @@ class FixOptions:
 
     def enabled(self, finding) -> bool:
         fix = finding.autofix
-        return bool(fix and fix.get("edits")) and self.selected(finding.code) and \
-            (fix.get("applicability") == "safe" or self.unsafe)
+        return offered(fix) and self.selected(finding.code) and (fix.get("applicability") == "safe" or self.unsafe)
 
     def hidden(self, finding) -> bool:
         fix = finding.autofix
-        return bool(fix and fix.get("edits")) and self.selected(finding.code) and \
-            fix.get("applicability") == "unsafe" and not self.unsafe
+        return offered(fix) and self.selected(finding.code) and fix.get("applicability") == "unsafe" and \
+            not self.unsafe
+
+
+def offered(fix: Optional[dict]) -> bool:
+    """Does this finding have an automatic fix: its edits, or (a plain lint) the promise of them."""
+    return bool(fix and (fix.get("edits") or fix.get("deferred")))
 
 
 class Outcome:

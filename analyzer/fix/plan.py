@@ -15,11 +15,19 @@ from synccheck.analyzer.fix.syntax import NoFix, Tree, check_stable, text
 
 
 def build(module, message: str, applicability: str, make) -> dict:
-    """Run ``make()`` (the plan's operations) and render it; any doubt becomes a reason."""
+    """Run ``make()`` (the plan's operations) and render it; any doubt becomes a reason. When the edits
+    are not wanted (``fix.EDITS``), a plan that was made is reported as ``"deferred"``: the fix exists,
+    its edits are built when --fix, --diff or JSON analyse the file again (a notebook's are always
+    built: they are mapped to its cells)."""
+    from synccheck.analyzer import fix as settings
     from synccheck.analyzer.fix.rewrite import parse, plan_edits
 
     try:
         ops = tuple(make())
+        if not settings.EDITS and not module.path.endswith(".ipynb"):
+            if not ops:
+                return {"reason": "the rewrite changes nothing"}
+            return {"applicability": applicability, "message": message, "deferred": True}
         parsed = getattr(module, "_fix_cst", None)
         if parsed is None or parsed[0] != module.text:
             parsed = (module.text, parse(module.text))
@@ -95,7 +103,7 @@ def wasted(flow, pop, site) -> dict:
 
     applicability = "unsafe" if kind == "accelerate" else "safe"
     result = build(module, "", applicability, make)
-    if "edits" in result:
+    if "applicability" in result:
         result["message"] = box.get("message", "Turn gradient sync off off the boundary")
     return result
 
@@ -223,7 +231,7 @@ def missed(flow, by, site, model, kind: str) -> dict:
         return ops + ([("import", need)] if need else [])
 
     result = build(module, "", "safe", make_control)
-    if "edits" in result:
+    if "applicability" in result:
         result["message"] = "Move the sync control so that it covers the forward too"
     return result
 
