@@ -200,13 +200,18 @@ def test_json_fix_edits_are_in_cell_coordinates_and_match_what_fix_writes(tmp_pa
     assert {n: "".join(c["source"]) for n, c in enumerate(fixed["cells"], start=1)} == expected
 
 
-@pytest.mark.parametrize("indent,ensure_ascii", [(1, False), (2, False), (4, True), (None, False)])
-def test_fix_changes_only_the_fixed_cells_sources(tmp_path, indent, ensure_ascii):
+@pytest.mark.parametrize("indent,ensure_ascii,bom,newline", [(1, False, False, "\n"), (2, False, False, "\n"),
+                                                         (4, True, False, "\n"), (None, False, False, "\n"),
+                                                         (1, False, True, "\r\n")])
+def test_fix_changes_only_the_fixed_cells_sources(tmp_path, indent, ensure_ascii, bom, newline):
     doc, text = rich_notebook(indent, ensure_ascii)
     path = tmp_path / "train.ipynb"
-    path.write_text(text, encoding="utf-8")
+    prefix = b"\xef\xbb\xbf" if bom else b""
+    path.write_bytes(prefix + text.replace("\n", newline).encode("utf-8"))
     assert lint(tmp_path, "--fix", "train.ipynb").returncode == 0
-    after = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    assert raw.startswith(prefix) and (b"\r\n" in raw) == (newline == "\r\n")
+    after = raw[len(prefix):].decode("utf-8").replace(newline, "\n")
     fixed = json.loads(after)
     for number in (1, 3):          # markdown and raw cells: untouched
         assert fixed["cells"][number - 1] == doc["cells"][number - 1]

@@ -150,7 +150,10 @@ def _rebuild(data: bytes, changed: dict) -> bytes:
 
 def dump(document, data: bytes) -> bytes:
     """``document`` written the way the notebook ``data`` was: its indent (Jupyter writes 1; none for a
-    one-line file), non-ASCII characters as they were (escaped or not), and its final newline."""
+    one-line file), non-ASCII characters as they were (escaped or not), its line endings, BOM and final
+    newline."""
+    bom = data.startswith(b"\xef\xbb\xbf")
+    data = data[3:] if bom else data
     indent = _indent(data)
     text = data.decode("utf-8")
     original = json.loads(data)
@@ -161,7 +164,7 @@ def dump(document, data: bytes) -> bytes:
     out = json.dumps(document, indent=indent, ensure_ascii=ensure_ascii)
     if b"\r\n" in data:
         out = out.replace("\n", "\r\n")      # JSON text holds no raw newline but between its tokens
-    return (out + ("\n" if data.endswith(b"\n") else "")).encode("utf-8")
+    return (b"\xef\xbb\xbf" if bom else b"") + (out + ("\n" if data.endswith(b"\n") else "")).encode("utf-8")
 
 
 def _indent(data: bytes):
