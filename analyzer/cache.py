@@ -36,9 +36,11 @@ def component_key(entries: list) -> str:
 
 
 class Cache:
-    def __init__(self, directory: str, codes: tuple) -> None:
-        # "fix1": findings carry their automatic fix since then; older entries would lack it
-        ruleset = hashlib.blake2b((",".join(sorted(codes)) + ";fix1").encode(), digest_size=8).hexdigest()
+    def __init__(self, directory: str, codes: tuple, edits: bool = True) -> None:
+        # "fix1": findings carry their automatic fix since then; older entries would lack it.
+        # "lazy": a lint that did not build the fixes' edits (engine.lint(edits=False)) keeps its own
+        ruleset = hashlib.blake2b((",".join(sorted(codes)) + ";fix1" + ("" if edits else ";lazy")).encode(),
+                                  digest_size=8).hexdigest()
         self.file = os.path.join(directory, __version__, f"{ruleset}.json")
         self.directory = directory
         self.files: dict = {}         # path -> [mtime_ns, size, key, gated, imports, eager]

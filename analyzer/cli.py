@@ -87,8 +87,9 @@ def lint_main(argv: List[str]) -> int:
         cache_dir = None if args.no_cache else (args.cache_dir or os.environ.get("SYNCCHECK_CACHE_DIR")
                                                   or ".synccheck_cache")
         rules = resolve_rules(config, args.select, args.ignore)
-        result = lint(args.paths, rules, jobs=args.jobs,
-                      cache_dir=cache_dir, is_excluded=config.is_excluded, ignored_codes=config.ignored_codes)
+        # only JSON shows a fix's edits; every other report needs to know only that there is one
+        result = lint(args.paths, rules, jobs=args.jobs, cache_dir=cache_dir, is_excluded=config.is_excluded,
+                      ignored_codes=config.ignored_codes, edits=args.format == "json")
     except UsageError as exc:
         print(f"synccheck lint: error: {exc}", file=sys.stderr)
         return 2

@@ -91,9 +91,10 @@ def wanted_rules(text: str, rules: Sequence) -> list:
 
 # ---------------------------------------------------------------------------------------------------
 
-def analyse(project, rules: Sequence, keep: Optional[list] = None, skip=frozenset()) -> dict:
+def analyse(project, rules: Sequence, keep: Optional[list] = None, skip=frozenset(), edits: bool = True) -> dict:
     """Findings per path for every linted module of a project. ``keep``: filled with the modules the
-    analysis parsed on demand (not in ``skip``), before the project is torn down."""
+    analysis parsed on demand (not in ``skip``), before the project is torn down. ``edits=False``: a
+    finding's fix says whether there is one, without its edits (see fix/plan.build)."""
     from synccheck.analyzer.project.program import Program
 
     program = Program(project)
@@ -106,12 +107,19 @@ def analyse(project, rules: Sequence, keep: Optional[list] = None, skip=frozense
         ctx.raw = []
         if keep is not None:
             keep.extend(m for m in project.modules() if os.path.abspath(m.path) not in skip)
-        return _positioned(raw)
+        return _positioned(raw, edits)
     finally:
         program.close()
 
 
-def _positioned(raw: list) -> dict:
+def _positioned(raw: list, edits: bool = True) -> dict:
+    if not edits and any(r[5] is not None for r in raw):
+        from synccheck.analyzer import fix as fix_settings
+        fix_settings.EDITS = False
+        try:
+            return _positioned(raw)
+        finally:
+            fix_settings.EDITS = True
     out: dict = {}
     seen = set()
     for rule, module, node, message, fix, autofix in raw:
@@ -181,13 +189,15 @@ def check_source(text: str, path: str = "<string>", rules: Optional[Sequence] = 
 
 def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[int] = None,
          is_excluded=lambda path: False, cache_dir: Optional[str] = None,
-         ignored_codes=lambda path: ()) -> LintResult:
+         ignored_codes=lambda path: (), edits: bool = True) -> LintResult:
     """The whole pipeline over files and folders. ``cache_dir=None``: no cache.
 
     Files are analysed in components (the files that import one another, see imports.py), each one
     project; components run in a process pool when there are enough of them to pay for one.
     ``is_excluded(path)`` and ``ignored_codes(path)`` (code prefixes not reported for that file) come
-    from the configuration; the cache holds results before ``ignored_codes``.
+    from the configuration; the cache holds results before ``ignored_codes``. ``edits=False``: the
+    findings' fixes say whether one exists (and its applicability) but carry no edits -- all a report
+    other than JSON shows; building the edits (a libcst rewrite per fix) is most of the fix cost.
     """
     rules = list(ALL_RULES) if rules is None else list(rules)
     paths = list(paths)
@@ -196,10 +206,10 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     cache = None
     if cache_dir is not None:
         from synccheck.analyzer.cache import Cache
-        cache = Cache(cache_dir, codes)
+        cache = Cache(cache_dir, codes, edits)
     pool = _Pool(jobs)
     try:
-        result = _lint(paths, codes, pool, is_excluded, cache)
+        result = _lint(paths, codes, pool, is_excluded, cache, edits)
     finally:
         pool.close()
     if cache is not None:
@@ -237,7 +247,7 @@ def eager(text: str, rules: Sequence) -> bool:
 LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_backward_grad_sync")
 
 
-def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
+def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
     rules = [BY_CODE[c] for c in codes]
     from synccheck.analyzer.cache import component_key, content_key
     from synccheck.analyzer.imports import Components, imported_names, importers_beside, read_imports
@@ -305,7 +315,7 @@ def _lint(paths, codes, pool, is_excluded, cache) -> LintResult:
     order = sorted(range(len(work)), key=lambda i: -sum(len(e.text or "") + 1 for e in work[i][1]))
     # the files that may hold a finding travel with their text; the others are read if needed
     jobs_in = [([(e.path, e.text if e.eager else None, e.notebook, e.linted, e.eager, e.imports)
-                 for e in work[i][1]], codes) for i in order]
+                 for e in work[i][1]], codes, edits) for i in order]
     for i, (findings, errors, parsed, deps) in zip(order, pool.map(_analyse_component, jobs_in)):
         key, members = work[i]
         result.findings.extend(findings)
@@ -350,7 +360,7 @@ def _analyse_component(args) -> tuple:
             gc.enable()
 
 
-def _analyse_files(members: list, codes: tuple) -> tuple:
+def _analyse_files(members: list, codes: tuple, edits: bool = True) -> tuple:
     from synccheck.analyzer.parse import parse
     from synccheck.analyzer.project.index import Project
 
@@ -390,7 +400,7 @@ def _analyse_files(members: list, codes: tuple) -> tuple:
     lazily_parsed: list = []
     if parsed_files:
         try:
-            by_path = analyse(project, rules, keep=lazily_parsed, skip=eager_paths)
+            by_path = analyse(project, rules, keep=lazily_parsed, skip=eager_paths, edits=edits)
         except RecursionError:
             errors.append(FileError(parsed_files[0][0], "too deeply nested to analyse"))
     parsed += sum(1 for m in lazily_parsed if m.linted)

@@ -23,11 +23,13 @@ ASSIGN_MAGIC = re.compile(r"^(\s*[A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*\s*=\
 class NotebookSource:
     """The joined code of a notebook and where each of its lines came from."""
 
-    def __init__(self, path: str, text: str, origin: List[Optional[Tuple[int, int]]], cells: dict) -> None:
+    def __init__(self, path: str, text: str, origin: List[Optional[Tuple[int, int]]], cells: dict,
+                 sources: Optional[dict] = None) -> None:
         self.path = path
         self.text = text
         self.origin = origin        # joined line (0-based) -> (cell number, line in cell), None: separator
         self.cells = cells          # cell number (1-based among all cells) -> its original source lines
+        self.sources = sources if sources is not None else {n: "\n".join(c) for n, c in cells.items()}
 
     def locate(self, line: int) -> Tuple[int, int]:
         """(cell, line in cell) of a line of the joined text; a separator belongs to the cell before it."""
@@ -46,8 +48,30 @@ class NotebookSource:
                 own = self.cells.get(cell) or [""]
                 end_line = len(own)
                 end_column = len(own[-1]) + 1
-            out.append(f._replace(line=line, end_line=end_line, end_column=end_column, cell=cell))
+            out.append(f._replace(line=line, end_line=end_line, end_column=end_column, cell=cell,
+                                  autofix=self.map_fix(f.autofix)))
         return out
+
+    def map_fix(self, fix: Optional[dict]) -> Optional[dict]:
+        """A fix's edits (made on the joined text) as edits of the cells' own sources: each edit names its
+        ``cell`` and counts rows and columns in that cell, as a finding's location does. The fix is
+        applied alone and mapped back to the cells the way ``--fix`` writes them, so applying these
+        edits to the cells gives what ``--fix`` writes; a fix that cannot be mapped (a change across two
+        cells, a line IPython syntax was replaced on) is no fix, with the reason."""
+        if not fix or not fix.get("edits"):
+            return fix
+        from synccheck.analyzer.fix.check import Overlap, apply_edits
+        from synccheck.analyzer.fix.notebooks import cell_edits, cell_sources
+
+        try:
+            new = cell_sources(self, apply_edits(self.text, fix["edits"]))
+        except Overlap:
+            return {"reason": "its edits overlap"}
+        except ValueError as exc:
+            return {"reason": str(exc)}
+        edits = [dict(edit, cell=number) for number in sorted(new)
+                 for edit in cell_edits(self.sources[number], new[number])]
+        return dict(fix, edits=edits) if edits else {"reason": "the rewrite changes nothing in the cells"}
 
 
 def read_notebook(path: str) -> Tuple[Optional[NotebookSource], Optional[FileError]]:
@@ -80,6 +104,7 @@ def parse_notebook(path: str, data: bytes) -> Tuple[Optional[NotebookSource], Op
     lines: List[str] = []
     origin: List[Optional[Tuple[int, int]]] = []
     sources: dict = {}
+    texts: dict = {}
     for number, cell in enumerate(cells, start=1):
         if not isinstance(cell, dict) or cell.get("cell_type") != "code":
             continue
@@ -91,12 +116,13 @@ def parse_notebook(path: str, data: bytes) -> Tuple[Optional[NotebookSource], Op
                                          f"list of lines")
         cell_lines = source.splitlines()
         sources[number] = cell_lines
+        texts[number] = source
         for i, code in enumerate(python_lines(cell_lines), start=1):
             lines.append(code)
             origin.append((number, i))
         lines.append("")             # a cell ends its statements: never let one run into the next
         origin.append(None)
-    return NotebookSource(path, "\n".join(lines) + "\n", origin, sources), None
+    return NotebookSource(path, "\n".join(lines) + "\n", origin, sources, texts), None
 
 
 def _is_python(document: dict) -> bool:

@@ -239,6 +239,107 @@ def test_notebook_is_fixed_cell_by_cell(tmp_path):
     assert run("lint", "--no-cache", str(tmp_path)).returncode == 0
 
 
+CONDITIONAL = BAD_LOOP.replace("model = DDP(model)\n", "if rank != -1:\n    model = DDP(model)\n")
+
+
+@pytest.mark.parametrize("source,guarded", [
+    (BAD_LOOP, False),
+    (CONDITIONAL, True),
+    (BAD_LOOP.replace("model = DDP(model)", "model = DDP(model) if distributed else model"), True),
+    (BAD_LOOP.replace("model = DDP(model)\n", "try:\n    model = DDP(model)\nexcept RuntimeError:\n    pass\n"), True),
+    (BAD_LOOP.replace("model = DDP(model)\n", "try:\n    pass\nfinally:\n    model = DDP(model)\n"), False),
+])
+def test_a_model_not_wrapped_on_every_path_gets_a_guarded_no_sync(source, guarded):
+    new, fixed, left = fix_text("t.py", source, list(ALL_RULES), FixOptions())
+    assert [f.code for f in fixed] == ["SC101"] and not left
+    assert ('or not hasattr(model, "no_sync") else model.no_sync()' in new) == guarded
+    # run the micro-steps with a plain module on the unwrapped path: no AttributeError
+    if guarded:
+        class Plain:
+            def __call__(self, x):
+                return self
+
+            def sum(self):
+                return self
+
+            def __truediv__(self, n):
+                return self
+
+            def backward(self):
+                pass
+
+        class Optimizer:
+            steps = 0
+
+            def step(self):
+                Optimizer.steps += 1
+
+            def zero_grad(self):
+                pass
+
+        def unavailable(module):
+            raise RuntimeError("no process group")
+
+        body = new.split("\n", 1)[1] if new.startswith("import contextlib") else new
+        exec(compile("import contextlib\n" + body.replace("from torch.nn.parallel import DistributedDataParallel as DDP\n", ""),
+                     "t.py", "exec"),
+             {"rank": -1, "distributed": False, "model": Plain(), "DDP": unavailable, "loader": [(1, 2)] * 8,
+              "optimizer": Optimizer()})
+        assert Optimizer.steps == 2
+
+
+def test_static_graph_ddp_is_not_rewritten():
+    source = BAD_LOOP.replace("DDP(model)", "DDP(model, static_graph=True)")
+    (f,) = [f for f in check_source(source, "t.py") if f.code == "SC101"]
+    assert "static_graph" in f.autofix["reason"] and "edits" not in f.autofix
+    new, fixed, _ = fix_text("t.py", source, list(ALL_RULES), ALL)
+    assert new == source and not fixed
+    (g,) = check_source(source.replace("static_graph=True", "static_graph=False"), "t.py")
+    assert g.autofix.get("edits")
+
+
 def test_rule_docs_have_fix_safety():
     for rule in ALL_RULES:
         assert "## Fix safety" in rule.documentation()
+
+
+def _offers(findings) -> list:
+    return sorted((os.path.relpath(f.path), f.line, f.code, f.autofix.get("applicability"))
+                  for f in findings if f.autofix and (f.autofix.get("edits") or f.autofix.get("deferred")))
+
+
+def test_a_plain_lint_knows_the_fixes_without_building_them():
+    from synccheck.analyzer.engine import lint
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [os.path.join(root, "examples"), os.path.join(root, "tests", "fixtures")]
+    eager = lint(paths, jobs=1)
+    lazy = lint(paths, jobs=1, edits=False)
+    assert [f._replace(autofix=None) for f in lazy.findings] == [f._replace(autofix=None) for f in eager.findings]
+    offered = _offers(eager.findings)
+    assert len(offered) >= 40 and _offers(lazy.findings) == offered
+    for f in lazy.findings:
+        assert not (f.autofix or {}).get("edits") or f.path.endswith(".ipynb")
+    # nothing of libcst was even imported: the rewrite is what a plain lint saves
+    probe = ("import sys; from synccheck.analyzer.engine import lint; "
+             f"r = lint({paths!r}, jobs=1, edits=False); "
+             "print(sum(1 for f in r.findings if f.autofix and f.autofix.get('deferred')), 'libcst' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(len(offered)), "False"]
+
+
+def test_fixable_count_is_what_fix_unsafe_fixes_fixes(tmp_path):
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the lint fixtures add findings with no fix (the forward in another method, SC104, SC301...)
+    for folder in ("examples", os.path.join("tests", "fixtures", "fixable"), os.path.join("tests", "fixtures", "lint")):
+        shutil.copytree(os.path.join(root, folder), tmp_path / os.path.basename(folder))
+    summary = run("lint", "--no-cache", "--unsafe-fixes", ".", cwd=tmp_path).stdout
+    (count,) = [int(line.split()[1]) for line in summary.splitlines() if line.startswith("[*] ")
+                and line.endswith("fixable with --fix")]
+    data = json.loads(run("lint", "--no-cache", "--format", "json", ".", cwd=tmp_path).stdout)
+    assert count == sum(1 for f in data["findings"] if f["fix"]["edits"])
+    assert len(data["findings"]) > count + 5
+    fixed = run("lint", "--no-cache", "--fix", "--unsafe-fixes", ".", cwd=tmp_path)
+    assert f"Fixed {count} problems." in fixed.stdout, fixed.stdout

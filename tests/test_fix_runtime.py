@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 FIXABLE = ROOT / "tests" / "fixtures" / "fixable"
-SCRIPTS = ["counter_gate.py", "inner_loop.py", "off_by_one.py", "undivided_zero_grad.py"]
+SCRIPTS = ["counter_gate.py", "inner_loop.py", "off_by_one.py", "undivided_zero_grad.py", "conditional_wrap.py"]
 
 
 def lint(*args, cwd):
@@ -75,6 +75,17 @@ def test_fixed_fixture_syncs_once_per_step_and_matches_no_sync(script, fixed_fix
     run, weights = run_profiled(fixed_fixtures, script)
     assert_one_sync_per_step(run, steps=3)
     assert_same_weights(weights, reference)
+
+
+def test_fixed_conditional_wrap_runs_unwrapped_in_one_process(fixed_fixtures):
+    # one process: the model stays a plain module, which has no no_sync(); the fix must not call it
+    text = (fixed_fixtures / "conditional_wrap.py").read_text()
+    assert 'or not hasattr(model, "no_sync") else model.no_sync()' in text
+    out = fixed_fixtures / "one_process.weights.pt"
+    proc = subprocess.run([T.TORCHRUN, "--standalone", "--nproc_per_node=1", str(fixed_fixtures / "conditional_wrap.py"),
+                           str(out)], capture_output=True, text=True, cwd=fixed_fixtures, env=T.base_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.exists()
 
 
 # The bundled examples: their common.py gains one line, in the test's copy only, that saves rank 0's

@@ -146,3 +146,150 @@ def test_cached_results_keep_the_cell(tmp_path):
     assert cold.returncode == warm.returncode == 1
     assert json.loads(cold.stdout) == json.loads(warm.stdout)
     assert json.loads(warm.stdout)["findings"][0]["cell"] == 2
+
+
+# --- fixes -----------------------------------------------------------------------------------------
+
+def rich_notebook(indent=1, ensure_ascii=False):
+    """A notebook as Jupyter saves it: markdown and raw cells, outputs (text and an image), metadata,
+    non-ASCII text, the wrap in one code cell and the loop in a later one."""
+    doc = {
+        "cells": [
+            {"cell_type": "markdown", "id": "m1", "metadata": {}, "source": ["# Entraînement\n", "Ça tourne sur 2 GPU."]},
+            {"cell_type": "code", "execution_count": 1, "id": "c1", "metadata": {"tags": ["setup"]},
+             "outputs": [{"name": "stdout", "output_type": "stream", "text": ["ready ✓\n"]}],
+             "source": ["%pip install torch\n"] + WRAP},
+            {"cell_type": "raw", "id": "r1", "metadata": {}, "source": ["model = DDP(model)  # raw, never run"]},
+            {"cell_type": "code", "execution_count": 2, "id": "c2", "metadata": {"scrolled": True},
+             "outputs": [{"data": {"image/png": "iVBORw0KGgo=\n", "text/plain": ["<Figure>"]},
+                          "metadata": {"needs_background": "light"}, "output_type": "display_data"}],
+             "source": ["# the loop\n"] + TRAIN.splitlines(keepends=True)},
+        ],
+        "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+                     "language_info": {"name": "python", "version": "3.11.4"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    }
+    return doc, json.dumps(doc, indent=indent, ensure_ascii=ensure_ascii) + "\n"
+
+
+def apply_cell_edits(doc, edits):
+    """The notebook's cell sources with JSON edits applied to the cell each names."""
+    from synccheck.analyzer.fix.check import apply_edits
+
+    sources = {n: "".join(c["source"]) for n, c in enumerate(doc["cells"], start=1)}
+    for number in sorted({e["cell"] for e in edits}):
+        sources[number] = apply_edits(sources[number], [e for e in edits if e["cell"] == number])
+    return sources
+
+
+def test_json_fix_edits_are_in_cell_coordinates_and_match_what_fix_writes(tmp_path):
+    doc, text = rich_notebook()
+    path = tmp_path / "train.ipynb"
+    path.write_text(text, encoding="utf-8")
+    (f,) = json.loads(lint(tmp_path, "--format", "json", "train.ipynb").stdout)["findings"]
+    assert (f["code"], f["cell"], f["line"]) == ("SC101", 4, 4)
+    edits = f["fix"]["edits"]
+    assert f["fix"]["applicability"] == "safe"
+    # the import goes into cell 2 (after its `%pip` line), the wrap into cell 4, rows counted in the cell
+    assert [(e["cell"], e["location"]["row"], e["end_location"]["row"]) for e in edits] == [(2, 2, 2), (4, 3, 5)]
+    assert edits[0]["content"] == "import contextlib\n"
+    assert edits[1]["content"].startswith("    with (contextlib.nullcontext() if (i + 1) % 4 == 0 else model.no_sync()):\n")
+    expected = apply_cell_edits(doc, edits)
+    assert lint(tmp_path, "--fix", "train.ipynb").returncode == 0
+    fixed = json.loads(path.read_text(encoding="utf-8"))
+    assert {n: "".join(c["source"]) for n, c in enumerate(fixed["cells"], start=1)} == expected
+
+
+@pytest.mark.parametrize("indent,ensure_ascii,bom,newline", [(1, False, False, "\n"), (2, False, False, "\n"),
+                                                         (4, True, False, "\n"), (None, False, False, "\n"),
+                                                         (1, False, True, "\r\n")])
+def test_fix_changes_only_the_fixed_cells_sources(tmp_path, indent, ensure_ascii, bom, newline):
+    doc, text = rich_notebook(indent, ensure_ascii)
+    path = tmp_path / "train.ipynb"
+    prefix = b"\xef\xbb\xbf" if bom else b""
+    path.write_bytes(prefix + text.replace("\n", newline).encode("utf-8"))
+    assert lint(tmp_path, "--fix", "train.ipynb").returncode == 0
+    raw = path.read_bytes()
+    assert raw.startswith(prefix) and (b"\r\n" in raw) == (newline == "\r\n")
+    after = raw[len(prefix):].decode("utf-8").replace(newline, "\n")
+    fixed = json.loads(after)
+    for number in (1, 3):          # markdown and raw cells: untouched
+        assert fixed["cells"][number - 1] == doc["cells"][number - 1]
+    for number in (2, 4):          # code cells: only the source changed (outputs, metadata, ids kept)
+        assert {k: v for k, v in fixed["cells"][number - 1].items() if k != "source"} == \
+            {k: v for k, v in doc["cells"][number - 1].items() if k != "source"}
+        assert fixed["cells"][number - 1]["source"] != doc["cells"][number - 1]["source"]
+    assert fixed["metadata"] == doc["metadata"]
+    doc["cells"][1]["source"], doc["cells"][3]["source"] = fixed["cells"][1]["source"], fixed["cells"][3]["source"]
+    # written as it was: the same indent, escapes and final newline
+    assert after == json.dumps(doc, indent=indent, ensure_ascii=ensure_ascii) + "\n"
+    assert lint(tmp_path, "train.ipynb").returncode == 0
+
+
+def test_diff_shows_each_changed_cell_and_writes_nothing(tmp_path):
+    _, text = rich_notebook()
+    path = tmp_path / "train.ipynb"
+    path.write_text(text, encoding="utf-8")
+    proc = lint(tmp_path, "--diff", "train.ipynb")
+    assert proc.returncode == 1 and path.read_text(encoding="utf-8") == text
+    out = proc.stdout
+    assert "--- train.ipynb:cell 2\n+++ train.ipynb:cell 2\n" in out
+    assert "--- train.ipynb:cell 4\n+++ train.ipynb:cell 4\n" in out
+    assert "+import contextlib\n" in out and "-    loss.backward()\n" in out
+    assert "\"source\"" not in out and "cell 1" not in out and "cell 3" not in out   # cells, not JSON
+    assert "Would fix 1 problem." in proc.stderr
+
+
+def runs_on_notebook():
+    """A loop that runs on from one cell into the next: Jupyter would refuse the second cell, but the
+    joined code parses, and the SC101 rewrite would have to wrap statements of both cells."""
+    return notebook(cell(WRAP), cell("for i, (x, y) in enumerate(loader):\n    loss = model(x).sum() / 4"),
+                    cell("    loss.backward()\n    if (i + 1) % 4 == 0:\n        optimizer.step()\n"))
+
+
+def test_a_fix_across_two_cells_is_not_offered(tmp_path):
+    path = tmp_path / "nb.ipynb"
+    path.write_text(runs_on_notebook())
+    (f,) = json.loads(lint(tmp_path, "--format", "json", "nb.ipynb").stdout)["findings"]
+    assert f["code"] == "SC101" and f["fix"]["applicability"] == "display-only" and f["fix"]["edits"] == []
+    assert "two notebook cells" in f["fix"]["message"]
+    proc = lint(tmp_path, "--fix", "--unsafe-fixes", "nb.ipynb")
+    assert proc.returncode == 1 and path.read_text() == runs_on_notebook()
+    assert "no automatic fix: the fix would change a statement that runs across two notebook cells" in proc.stdout
+    assert "fixable" not in proc.stdout
+
+
+def test_an_edit_over_a_cell_boundary_cannot_be_mapped():
+    from synccheck.analyzer.fix.check import apply_edits
+    from synccheck.analyzer.fix.notebooks import cell_sources
+
+    nb, _ = parse_notebook("x.ipynb", notebook(cell(WRAP), cell(TRAIN)).encode())
+    # the joined text: cell 1 (2 lines), a blank separator line, cell 2; join the two cells
+    edit = {"content": "model = DDP(model); ", "location": {"row": 2, "column": 1}, "end_location": {"row": 4, "column": 1}}
+    with pytest.raises(ValueError, match="two notebook cells"):
+        cell_sources(nb, apply_edits(nb.text, [edit]))
+    assert nb.map_fix({"applicability": "safe", "message": "m", "edits": [edit]}) == \
+        {"reason": "the fix would change lines of two notebook cells at once"}
+
+
+def test_a_fix_that_would_reindent_a_magic_is_not_offered(tmp_path):
+    path = tmp_path / "nb.ipynb"
+    source = notebook(cell(WRAP), cell(TRAIN.replace("    loss.backward()\n", "    %time f()\n    loss.backward()\n")))
+    path.write_text(source)
+    (f,) = json.loads(lint(tmp_path, "--format", "json", "nb.ipynb").stdout)["findings"]
+    assert f["fix"]["edits"] == [] and "IPython syntax in cell 2" in f["fix"]["message"]
+    assert lint(tmp_path, "--fix", "nb.ipynb").returncode == 1 and path.read_text() == source
+
+
+@pytest.mark.parametrize("old,new", [
+    ("a\nb", "a\nc\nd"), ("a\nb\n", "x\na\nb\n"), ("a\nb", "a\nb\nc"), ("", "x"), ("a", ""),
+    ("a\n  b\nc", "a\n  with x:\n      b\nc"), ("a\nb", "b"),
+])
+def test_cell_edits_turn_the_old_source_into_the_new(old, new):
+    from synccheck.analyzer.fix.check import apply_edits
+    from synccheck.analyzer.fix.notebooks import cell_edits
+
+    edits = cell_edits(old, new)
+    assert apply_edits(old, edits) == new
+    for e in edits:     # no position past the cell's text
+        assert e["end_location"]["row"] <= old.count("\n") + 1

@@ -8,3 +8,8 @@ comments, formatting and the file's line endings) and reports the result as ruff
 ``apply.py`` checks and writes them (``--fix``, ``--diff``). Nothing here imports torch or runs the
 code it rewrites.
 """
+
+# Whether plan.build renders a fix's edits. A plain lint (engine.lint(edits=False)) only needs to know
+# that a fix exists and how safe it is, for "N fixable with --fix" and the "[*]" line: the libcst parse
+# and rewrite are left to --fix, --diff and --format json, which analyse again or ask for the edits.
+EDITS = True

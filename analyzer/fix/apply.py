@@ -33,13 +33,17 @@ class FixOptions:
 
     def enabled(self, finding) -> bool:
         fix = finding.autofix
-        return bool(fix and fix.get("edits")) and self.selected(finding.code) and \
-            (fix.get("applicability") == "safe" or self.unsafe)
+        return offered(fix) and self.selected(finding.code) and (fix.get("applicability") == "safe" or self.unsafe)
 
     def hidden(self, finding) -> bool:
         fix = finding.autofix
-        return bool(fix and fix.get("edits")) and self.selected(finding.code) and \
-            fix.get("applicability") == "unsafe" and not self.unsafe
+        return offered(fix) and self.selected(finding.code) and fix.get("applicability") == "unsafe" and \
+            not self.unsafe
+
+
+def offered(fix: Optional[dict]) -> bool:
+    """Does this finding have an automatic fix: its edits, or (a plain lint) the promise of them."""
+    return bool(fix and (fix.get("edits") or fix.get("deferred")))
 
 
 class Outcome:
@@ -51,7 +55,8 @@ class Outcome:
         self.fixed: list = []         # findings whose fix was applied
         self.remaining: Optional[list] = None    # the file's findings after the fixes (None: unchanged)
         self.error: Optional[str] = None
-        self.notebook = None
+        self.notebook = None          # a notebook's new bytes
+        self.cells: list = []         # a notebook's changed cells: (number, old source, new source)
         self.failed: dict = {}        # (code, message) -> why its fix was not applied
 
 
@@ -120,9 +125,10 @@ def fix_file(path: str, rules: list, options: FixOptions) -> Outcome:
 
 
 def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=None,
-             failed: Optional[dict] = None) -> tuple:
+             failed: Optional[dict] = None, accept: Optional[Callable[[str], Optional[str]]] = None) -> tuple:
     """(new text, fixed findings, findings left) for one file's text. ``failed`` is filled with the
-    reason each fix that was tried and left out failed."""
+    reason each fix that was tried and left out failed. ``accept(new text)``: why a result cannot be
+    written (a notebook's cells), or None."""
     current = text
     findings = analyse_text(path, current, rules, notebook)
     original = findings
@@ -140,7 +146,7 @@ def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=No
                 chosen.append(f)
                 last = last_row
         tried = len(failed)
-        applied = _try(path, current, chosen, rules, findings, failed, options.enabled)
+        applied = _try(path, current, chosen, rules, findings, failed, options.enabled, accept)
         if applied is None:
             if len(failed) > tried:
                 continue            # the others may still apply
@@ -160,7 +166,7 @@ def fix_text(path: str, text: str, rules: list, options: FixOptions, notebook=No
     return current, fixed, findings
 
 
-def _try(path, current, chosen, rules, findings, failed, fixable) -> Optional[tuple]:
+def _try(path, current, chosen, rules, findings, failed, fixable, accept=None) -> Optional[tuple]:
     """Apply ``chosen`` together, else the first of them that passes alone."""
     groups = [chosen] + ([[f] for f in chosen] if len(chosen) > 1 else [])
     for group in groups:
@@ -168,7 +174,9 @@ def _try(path, current, chosen, rules, findings, failed, fixable) -> Optional[tu
             new = apply_edits(current, [e for f in group for e in f.autofix["edits"]])
         except Overlap:
             continue
-        why, after = verdict(path, current, new, group, rules, findings, fixable)
+        why = accept(new) if accept is not None else None
+        if why is None:
+            why, after = verdict(path, current, new, group, rules, findings, fixable)
         if why is None:
             return new, after, group
         if len(group) == 1:
@@ -213,13 +221,18 @@ def write_back(outcome: Outcome, before_write=None) -> Optional[str]:
 
 
 def unified_diff(outcome: Outcome) -> str:
+    if outcome.notebook is not None:     # a notebook: one diff per changed cell, as ruff prints them
+        return "".join(_diff(old, new, f"{outcome.path}:cell {number}") for number, old, new in outcome.cells)
+    return _diff(outcome.old, outcome.new, outcome.path)
+
+
+def _diff(old: str, new: str, name: str) -> str:
     import difflib
 
     from synccheck.analyzer.fix.rewrite import split_lines
 
-    old, new = split_lines(outcome.old), split_lines(outcome.new)
-    lines = difflib.unified_diff([_nl(x) for x in old], [_nl(x) for x in new], fromfile=outcome.path,
-                                 tofile=outcome.path)
+    lines = difflib.unified_diff([_nl(x) for x in split_lines(old)], [_nl(x) for x in split_lines(new)],
+                                 fromfile=name, tofile=name)
     return "".join(lines)
 
 

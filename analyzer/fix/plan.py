@@ -9,17 +9,25 @@ from __future__ import annotations
 
 import ast
 
-from synccheck.analyzer.fix.schedule import (boundary, forwards, model_text, null_context, pos, stable_from,
-                                             step_nodes)
+from synccheck.analyzer.fix.schedule import (always_wrapped, boundary, forwards, model_text, null_context, pos, stable_from,
+                                             static_graph, step_nodes)
 from synccheck.analyzer.fix.syntax import NoFix, Tree, check_stable, text
 
 
 def build(module, message: str, applicability: str, make) -> dict:
-    """Run ``make()`` (the plan's operations) and render it; any doubt becomes a reason."""
+    """Run ``make()`` (the plan's operations) and render it; any doubt becomes a reason. When the edits
+    are not wanted (``fix.EDITS``), a plan that was made is reported as ``"deferred"``: the fix exists,
+    its edits are built when --fix, --diff or JSON analyse the file again (a notebook's are always
+    built: they are mapped to its cells)."""
+    from synccheck.analyzer import fix as settings
     from synccheck.analyzer.fix.rewrite import parse, plan_edits
 
     try:
         ops = tuple(make())
+        if not settings.EDITS and not module.path.endswith(".ipynb"):
+            if not ops:
+                return {"reason": "the rewrite changes nothing"}
+            return {"applicability": applicability, "message": message, "deferred": True}
         parsed = getattr(module, "_fix_cst", None)
         if parsed is None or parsed[0] != module.text:
             parsed = (module.text, parse(module.text))
@@ -57,17 +65,28 @@ def wasted(flow, pop, site) -> dict:
         name = model_text(module, calls[0])
         ops = []
         if kind in ("ddp", "fsdp"):
+            if kind == "ddp" and static_graph(flow, pop.model):
+                raise NoFix("the model is DDP(static_graph=...), whose first iteration must sync (pytorch#143580), "
+                            "and synccheck does not prove that the loop's gate lets it")
             if bound.inner and kind == "ddp":
                 box["message"] = f"Set `{name}.require_backward_grad_sync` before the forward of each micro-step"
                 ops.append(("before", pos(module, first), f"{name}.require_backward_grad_sync = ({bound.cond})"))
             else:
                 null, need = null_context(module)
+                test = bound.test()
                 box["message"] = f"Run the non-boundary micro-steps under `{name}.no_sync()`"
+                if not always_wrapped(flow, pop.model):
+                    # `if rank != -1: model = DDP(model)`: a plain module has no no_sync()
+                    test = f"{_loose(test)} or not hasattr({name}, \"no_sync\")"
+                    box["message"] += " where it has one (it is not wrapped on every path)"
                 ops.append(("wrap", pos(module, first), pos(module, last),
-                            f"({null} if {bound.test()} else {name}.no_sync())"))
+                            f"({null} if {test} else {name}.no_sync())"))
                 if need:
                     ops.append(("import", need))
         elif kind == "fsdp2":
+            if not always_wrapped(flow, pop.model):
+                raise NoFix("the model is not sharded on every path: `set_requires_gradient_sync` would fail on the "
+                            "others")
             box["message"] = f"Turn gradient sync off with `{name}.set_requires_gradient_sync` off the boundary"
             ops.append(("before", pos(module, first), f"{name}.set_requires_gradient_sync({bound.cond})"))
         elif kind == "fabric":
@@ -84,9 +103,18 @@ def wasted(flow, pop, site) -> dict:
 
     applicability = "unsafe" if kind == "accelerate" else "safe"
     result = build(module, "", applicability, make)
-    if "edits" in result:
+    if "applicability" in result:
         result["message"] = box.get("message", "Turn gradient sync off off the boundary")
     return result
+
+
+def _loose(test: str) -> str:
+    """``test`` as the left operand of ``or``: parenthesized if it binds more loosely."""
+    try:
+        node = ast.parse(test.strip(), mode="eval").body
+    except SyntaxError:
+        return f"({test})"
+    return f"({test})" if isinstance(node, (ast.IfExp, ast.Lambda, ast.NamedExpr)) else test
 
 
 def _covered(tree, node, first, last) -> bool:
@@ -203,7 +231,7 @@ def missed(flow, by, site, model, kind: str) -> dict:
         return ops + ([("import", need)] if need else [])
 
     result = build(module, "", "safe", make_control)
-    if "edits" in result:
+    if "applicability" in result:
         result["message"] = "Move the sync control so that it covers the forward too"
     return result
 

@@ -199,6 +199,55 @@ def model_text(module, call) -> str:
     return text(module, func)
 
 
+def wrap_call(flow, wrapper) -> tuple:
+    """(module, call) of the call that made ``wrapper`` (``DDP(model, ...)``), or (None, None)."""
+    site = getattr(wrapper, "site", None)
+    if not site:
+        return None, None
+    path, line, col = site[:3]
+    project = flow.project
+    module = project.by_path.get(path) or next((m for m in project.modules() if m.path == path), None)
+    if module is None or getattr(module, "tree", None) is None:
+        return None, None
+    call = next((n for n in ast.walk(module.tree) if isinstance(n, ast.Call) and n.lineno == line
+                 and n.col_offset == col), None)
+    return (module, call) if call is not None else (None, None)
+
+
+def static_graph(flow, wrapper) -> bool:
+    """``DDP(..., static_graph=<anything but False>)``: its first iteration must sync (pytorch#143580)."""
+    _, call = wrap_call(flow, wrapper)
+    return call is not None and any(k.arg == "static_graph" and not (isinstance(k.value, ast.Constant)
+                                                                     and k.value.value in (False, None, 0))
+                                    for k in call.keywords)
+
+
+def always_wrapped(flow, wrapper) -> bool:
+    """Is the model the loop calls a wrapper on every path: its wrap call is the whole value of a
+    statement (``model = DDP(model)``, ``return DDP(model)``) that runs whenever its function (or the
+    module) does? ``if rank != -1: model = DDP(model)``, ``DDP(m) if distributed else m`` and a wrap
+    this cannot find are not: on the other paths the model is a plain module (or a DataParallel) with
+    no ``no_sync()``, and a fix that calls it there would raise AttributeError."""
+    module, call = wrap_call(flow, wrapper)
+    if call is None:
+        return False
+    tree = Tree.of(module)
+    stmt = tree.parent.get(call)
+    if not isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.Return, ast.Expr)):
+        return False
+    child = stmt
+    for owner in tree.ancestors(stmt):
+        if isinstance(owner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+            return True
+        if isinstance(owner, ast.Try) and child in owner.finalbody:
+            child = owner
+            continue
+        if not isinstance(owner, (ast.With, ast.AsyncWith)):
+            return False            # an if, a loop, a try (its handler may go on unwrapped), a match
+        child = owner
+    return False
+
+
 def null_context(module) -> tuple:
     """(how to write ``nullcontext()`` here, the import it needs or None). Only imports at the top of
     the module count: one inside a function or an ``if`` may not have run where the fix uses it."""

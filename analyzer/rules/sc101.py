@@ -37,6 +37,10 @@ class SyncEveryMicrostep(Rule):
         n - 1)` before the forward of an inner micro-step loop (DDP), `model.set_requires_gradient_sync(
         <boundary>)` (FSDP2), `with fabric.no_backward_sync(model, enabled=not <boundary>):` (Fabric).
         These fixes are safe: the boundary all-reduce sums the same gradients the N all-reduces did.
+        Where the model is wrapped only on some paths (`if rank != -1: model = DDP(model)`), the
+        condition gains `or not hasattr(model, "no_sync")`, so a one-process run of the plain module
+        still works; FSDP2 is then not fixed, nor is `DDP(static_graph=True)`, whose first iteration
+        must sync (SC106).
         On Accelerate the fix (`with accelerator.accumulate(model):` and `gradient_accumulation_steps=`
         where the Accelerator is built) is unsafe: `accelerator.backward` then divides the loss by that
         count, and Accelerate's own counter decides the boundary. No fix is offered when the boundary
