@@ -143,7 +143,7 @@ def expr(flow, node, st, fr) -> EnvVal:
                 elif index is None and type(node.slice) is not ast.Slice:
                     picked.update(x for part in v.items for x in part)
             elif isinstance(v, Bag) and type(node.slice) is not ast.Slice:
-                picked |= v.items
+                picked |= v.item(node.slice.value if isinstance(node.slice, ast.Constant) else None)
         vals = frozenset(picked) or vals
         return _val(vals, recv.prov, recv.scaled)
     if t is ast.Constant:

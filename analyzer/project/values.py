@@ -140,6 +140,13 @@ class Bag(NamedTuple):
     ``append``, ``{"g": opt_g, "d": opt_d}``, ``[opts[k] for k in opts]``."""
     items: frozenset
     keyed: bool = False       # a dict: iterating it gives its keys, not these
+    fields: tuple = ()        # a dict literal with string keys: ((key, values), ...)
+
+    def item(self, key) -> frozenset:
+        """``bag["key"]``: that entry's values when the dict literal named it, else any element."""
+        if self.fields and isinstance(key, str):
+            return next((vals for k, vals in self.fields if k == key), ONE_UNKNOWN)
+        return self.items
 
 
 class Const(NamedTuple):
@@ -570,11 +577,18 @@ class Values:
                     elif not const:
                         out.update(x for part in v.items for x in part)
                 elif isinstance(v, Bag):
-                    out |= v.items
+                    out |= v.item(index.value if isinstance(index, ast.Constant) else None)
             return frozenset(out) or ONE_UNKNOWN
         if t is ast.Dict:
-            items = frozenset().union(*(self.expr(v, scope) for v in node.values if v is not None))
-            return frozenset((Bag(_cap(items), True),))
+            vals = [self.expr(v, scope) for v in node.values]
+            items = frozenset().union(*vals)
+            fields = ()
+            if len(node.keys) <= 64 and all(isinstance(k, ast.Constant) and isinstance(k.value, str)
+                                            for k in node.keys):
+                fields = tuple((k.value, _cap(v)) for k, v in zip(node.keys, vals))
+            return frozenset((Bag(_cap(items), True, fields),))
+        if t is ast.BinOp:
+            return _arithmetic(node.op, self.expr(node.left, scope), self.expr(node.right, scope))
         if t is ast.Set:
             return frozenset((Bag(_cap(frozenset().union(*(self.expr(v, scope) for v in node.elts))), False),))
         if t in (ast.ListComp, ast.SetComp, ast.GeneratorExp):
@@ -685,7 +699,12 @@ class Values:
             if special is not None:
                 return special
         out = set()
-        for callee in self.expr(func, scope):
+        callees = self.expr(func, scope)
+        if callees == {Ext("int")} and len(call.args) == 1 and not call.keywords:
+            # ``int(config["batch_size"])``: a number we know stays known
+            return frozenset(Const(int(v.value)) if isinstance(v, Const) and isinstance(v.value, (int, bool))
+                             and v.value is not None else UNKNOWN for v in self.expr(call.args[0], scope))
+        for callee in callees:
             out |= self._call_value(callee, call, scope, module)
         return frozenset(out) or ONE_UNKNOWN
 
@@ -951,6 +970,27 @@ def _call_lines(module: Module) -> dict:
                 bucket.append(line)
         module._call_lines = table
     return table
+
+
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+
+
+def _arithmetic(op, left: frozenset, right: frozenset) -> frozenset:
+    """Integer arithmetic on constants we know (``batch_size // MAX_GPU_BATCH_SIZE``), else unknown."""
+    fn = _ARITHMETIC.get(type(op))
+    out = set()
+    for a in left:
+        for b in right:
+            if fn is None or not (isinstance(a, Const) and isinstance(b, Const)) or \
+                    type(a.value) is not int or type(b.value) is not int or abs(a.value) > 1 << 32 or \
+                    abs(b.value) > 1 << 32:
+                return ONE_UNKNOWN
+            try:
+                out.add(Const(fn(a.value, b.value)))
+            except ZeroDivisionError:
+                return ONE_UNKNOWN
+    return _cap(out) if out and len(out) <= 8 else ONE_UNKNOWN
 
 
 def _reaching(assigns, reach) -> list:
