@@ -96,7 +96,13 @@ def expr(flow, node, st, fr) -> EnvVal:
         return call(flow, node, st, fr)
     if t is ast.BinOp:
         left, right = expr(flow, node.left, st, fr), expr(flow, node.right, st, fr)
-        if isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+        left_loss = bool(left.prov) or left.scaled is not None
+        right_loss = bool(right.prov) or right.scaled is not None
+        if isinstance(node.op, ast.Mult) and left_loss != right_loss and \
+                not scales_by_count(node.right if left_loss else node.left):
+            # ``lambda_coeff * loss``: a weight between losses, not the accumulation's 1/N
+            scaled = left.scaled if left_loss else right.scaled
+        elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
         else:
             scaled = True if (left.scaled or right.scaled) else (
@@ -578,6 +584,21 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
     return None
 
 
+_COUNT_WORDS = ("accum", "grad_acc", "gradient_acc", "micro", "update_freq", "iters_to_acc", "n_acc", "ga_",
+                "num_steps", "n_steps", "batches", "chunks", "splits", "inv", "norm", "scale", "world", "factor")
+
+
+def scales_by_count(factor) -> bool:
+    """Could multiplying a loss by this be the accumulation's division (``loss * (1 / accum)``,
+    ``loss * 0.25``, ``loss * self.inv_accum``)? A plain weight (``lambda_coeff``, ``alpha``) is not."""
+    if isinstance(factor, ast.Constant):
+        return True
+    if isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Div):
+        return True
+    text = ast.unparse(factor).lower()
+    return any(w in text for w in _COUNT_WORDS)
+
+
 def _scale_call(node) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "scale"
 
@@ -875,7 +896,13 @@ def _enter(flow, s, i: int, st, fr, owner: int):
     value = expr(flow, item.context_expr, st, fr)
     vals = value.values
     if item.optional_vars is not None:
-        assign(flow, item.optional_vars, value, s, st, fr)
+        bound = value
+        ctx = item.context_expr
+        if isinstance(ctx, ast.Call) and ctx.args and _name(ctx.func) == "scale_loss":
+            # apex's ``with amp.scale_loss(loss, optimizer) as scaled_loss``: the loss times the fp16
+            # loss scale, which the step undoes; for accumulation it is still ``loss``
+            bound = expr(flow, ctx.args[0], st, fr)
+        assign(flow, item.optional_vars, bound, s, st, fr)
     if any(isinstance(v, FlowCtx) and v.effect == "nograd" for v in vals) or _is_no_grad_call(flow, item, fr):
         fr.no_grad += 1
         try:

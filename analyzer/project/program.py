@@ -195,6 +195,16 @@ class Program:
                 if isinstance(found, Function):
                     return [found]
                 return None                      # self.model(...): an attribute, maybe a wrapper
+            if isinstance(base, ast.Name) and isinstance(scope, Function) and \
+                    base.id in self.values.info(scope).assigns:
+                # ``trainer = Trainer(...)`` then ``trainer.train_step(batch)``: the class's method
+                found = []
+                for value, path in self.values.info(scope).assigns[base.id]:
+                    if isinstance(value, ast.Call) and not path and isinstance(value.func, (ast.Name, ast.Attribute)):
+                        sym = self.project.resolve_expr(module, value.func)
+                        if isinstance(sym, Class):
+                            found.extend(_callables(self.project, self.project.attribute(sym, func.attr)))
+                return found
             if isinstance(base, (ast.Name, ast.Attribute)):
                 sym = self.project.resolve_expr(module, base)
                 if sym is not None and not isinstance(sym, GlobalRef):

@@ -131,6 +131,7 @@ class Flow:
         self.conds = Conditions(self)
         self.records = Records(self)
         self.atom_info: dict = {}        # atom index -> (versions, volatile)
+        self.atom_loops: dict = {}       # atom index -> ids of the loops it was tested in
         self.loop_infos: dict = {}
         self.last_atoms: dict = {}
         self._first_masks: dict = {}
@@ -198,8 +199,12 @@ class Flow:
         if t is ast.AugAssign:
             value = self.expr(s.value, st, fr)
             old = self.expr(s.target, st, fr) if isinstance(s.target, (ast.Name, ast.Attribute)) else UNKNOWN_VAL
-            scaled = True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled,
-                                                                                                  value.scaled)
+            if isinstance(s.op, ast.Mult) and (old.prov or old.scaled is not None) and not value.prov and \
+                    value.scaled is None and not events.scales_by_count(s.value):
+                scaled = old.scaled          # ``loss *= weight``
+            else:
+                scaled = True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled,
+                                                                                                      value.scaled)
             events.assign(self, s.target, EnvVal(((TRUE, ONE_UNKNOWN),), old.prov | value.prov, scaled), s, st, fr)
             return st
         if t is ast.If:
@@ -382,7 +387,10 @@ class Flow:
             return atom.loop == info.id or atom.loop in info.ids
         versions, volatile = self.atom_info.get(atom.index, ((), True))
         if volatile:
-            return True
+            # tested afresh each time round the loops it is tested in; a test made once before an
+            # inner loop (``for opt in optimizers:``) holds all through that loop
+            loops = self.atom_loops.get(atom.index)
+            return loops is None or info.id in loops
         for v in versions:
             if v == ("phi", info.id) or (isinstance(v, int) and v in info.ids):
                 return True
@@ -393,6 +401,7 @@ class Flow:
     def note_atom(self, atom, versions, volatile: bool) -> None:
         if atom.index not in self.atom_info:
             self.atom_info[atom.index] = (versions, volatile)
+        self.atom_loops.setdefault(atom.index, set()).update(self.loop_stack)
 
     def counter_loop(self, counter_dump: str, fr: Frame):
         for ctx in reversed(fr.loops):

@@ -704,6 +704,14 @@ class Values:
             # ``int(config["batch_size"])``: a number we know stays known
             return frozenset(Const(int(v.value)) if isinstance(v, Const) and isinstance(v.value, (int, bool))
                              and v.value is not None else UNKNOWN for v in self.expr(call.args[0], scope))
+        if callees == {Ext("getattr")} and len(call.args) >= 2:
+            # ``getattr(self, "model" if encoder_only else "encoder")``
+            names = _strings(call.args[1], self.info(scope))
+            if names:
+                receivers = self.expr(call.args[0], scope)
+                for name in names:
+                    out |= self.attribute(receivers, name, call, scope)
+                return frozenset(out) or ONE_UNKNOWN
         for callee in callees:
             out |= self._call_value(callee, call, scope, module)
         return frozenset(out) or ONE_UNKNOWN
@@ -970,6 +978,25 @@ def _call_lines(module: Module) -> dict:
                 bucket.append(line)
         module._call_lines = table
     return table
+
+
+def _strings(node, info, depth: int = 0) -> list:
+    """The string constants an expression can be: a literal, a conditional of literals, or a local
+    name bound only to those."""
+    if isinstance(node, ast.Constant):
+        return [node.value] if isinstance(node.value, str) else []
+    if isinstance(node, ast.IfExp):
+        body, orelse = _strings(node.body, info, depth), _strings(node.orelse, info, depth)
+        return body + orelse if body and orelse else []
+    if isinstance(node, ast.Name) and depth < 3 and node.id in info.assigns and node.id not in info.for_names:
+        out = []
+        for value, path in info.assigns[node.id]:
+            found = _strings(value, info, depth + 1) if not path else []
+            if not found:
+                return []
+            out.extend(found)
+        return out
+    return []
 
 
 _ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
