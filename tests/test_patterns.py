@@ -25,7 +25,6 @@ KNOWN_GAPS = {
     "19_rank_predicate_behind_property": "a rank test behind a @property",
     "20_loss_scale_unscale_mistaken_for_accum_normalisation": "grads rescaled by the loss scale read as accumulation scaling",
     "22_custom_contextmanager_toggling_require_backward_grad_sync": "the flag set on every module of a dict",
-    "25_gradient_cache_chunks_loss_over_whole_window": "gradient-cache losses over the whole window",
     "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",
     "31_lightning_trainer_accumulation_with_static_graph_ddp": "Lightning Trainer(accumulate_grad_batches) is not modelled",
     "33_zero_grad_under_loop_invariant_config_guard": "a loop-invariant guard is not split into its two cases",

@@ -23,6 +23,9 @@ RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|n
                        r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
                        r"is_main|rank_zero|is_master_process|is_chief|ddp_rank)(?![A-Za-z0-9])", re.I)
 MAIN_WORDS = ("main", "master", "zero", "chief")
+# a test of whether the job is distributed at all: false, there is one process
+DISTRIBUTED_TEST = re.compile(r"distributed|is_initialized|is_dist|world_size|ddp|multi_gpu|n_gpu|num_gpus|"
+                              r"num_processes|use_dist", re.I)
 
 
 class Unwrapped(NamedTuple):
@@ -299,18 +302,19 @@ class _RankChecker:
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
         for i, stmt in enumerate(stmts):
             if isinstance(stmt, ast.If):
-                pol = self.polarity(stmt.test, scope)
-                if pol is not None and side is None:
-                    text = ast.unparse(stmt.test)
-                    self.walk(stmt.body, pol, text, scope, found)
-                    self.walk(stmt.orelse, _flip(pol), text, scope, found)
+                on_true, on_false = self.sides(stmt.test, scope)
+                if (on_true is not None or on_false is not None) and side is None:
+                    text, negated = ast.unparse(stmt.test), _negation(stmt.test)
+                    self.walk(stmt.body, on_true, text, scope, found)
+                    self.walk(stmt.orelse, on_false, negated, scope, found)
                     body_exits, else_exits = _exits(stmt.body), _exits(stmt.orelse)
                     if body_exits and not else_exits:
                         # ``if not is_main: return``: the rest of the block runs on the other side only
-                        self.walk(stmts[i + 1:], _flip(pol), text, scope, found)
+                        # (``if not fsdp and not is_main: return``: on every rank when ``fsdp`` holds)
+                        self.walk(stmts[i + 1:], on_false, negated, scope, found)
                         return
                     if else_exits and not body_exits:
-                        self.walk(stmts[i + 1:], pol, text, scope, found)
+                        self.walk(stmts[i + 1:], on_true, text, scope, found)
                         return
                     continue
                 self._calls(stmt.test, side, test, scope, found)
@@ -427,19 +431,55 @@ class _RankChecker:
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
+    def sides(self, test, scope) -> tuple:
+        """(ranks where the test holds, ranks where it does not): "main", "other" or None (no
+        restriction: every rank may be there)."""
+        on_true, on_false = self._sides(test, scope, 0)
+        if on_true == on_false:
+            return None, None
+        return _ranks(on_true), _ranks(on_false)
+
+    def _sides(self, test, scope, depth: int) -> tuple:
+        # a third value, "single": the job is not distributed (``not args.distributed``,
+        # ``world_size == 1``): the one process is the main rank, and no collective can hang there.
+        # It only ever joins a real rank test (``distributed and rank != 0``).
+        if depth > 6:
+            return None, None
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            on_true, on_false = self._sides(test.operand, scope, depth + 1)
+            return on_false, on_true
+        if isinstance(test, ast.BoolOp):
+            parts = [self._sides(v, scope, depth + 1) for v in test.values]
+            trues, falses = [p[0] for p in parts], [p[1] for p in parts]
+            if isinstance(test.op, ast.Or):
+                # ``not a or not b`` is ``not (a and b)``
+                trues, falses = falses, trues
+            # an ``and`` holds only where each of its parts that names the ranks holds; it fails
+            # wherever any part fails, so only where every part fails on the same side
+            on_true = _agree([t for t in trues if t is not None])
+            on_false = _agree(falses) if all(f is not None for f in falses) else None
+            if isinstance(test.op, ast.Or):
+                on_true, on_false = on_false, on_true
+            if "main" not in (on_true, on_false) and "other" not in (on_true, on_false):
+                return None, None
+            return on_true, on_false
+        if isinstance(test, ast.Name) and not _main_name(test.id):
+            value, where = self._bound(test, scope)
+            if value is not None:
+                return self._sides(value, where, depth + 1)
+        pol = self.polarity(test, scope, depth)
+        if pol is not None:
+            return pol, _flip(pol)
+        if DISTRIBUTED_TEST.search(ast.unparse(test)):
+            return None, "single"
+        return None, None
+
     def polarity(self, test, scope, depth: int = 0) -> Optional[str]:
         """"main" when the test holds on the main rank only, "other" when on every rank but it."""
         if depth > 6:
             return None
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            pol = self.polarity(test.operand, scope, depth + 1)
-            return _flip(pol) if pol else None
-        if isinstance(test, ast.BoolOp):
-            if isinstance(test.op, ast.And):
-                pols = [self.polarity(v, scope, depth + 1) for v in test.values]
-                found = [p for p in pols if p]
-                return found[0] if found and len(set(found)) == 1 else None
-            return None
+        if isinstance(test, ast.BoolOp) or (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)):
+            return _ranks(self._sides(test, scope, depth)[0])
         if isinstance(test, ast.Compare) and len(test.ops) == 1:
             left, right, op = test.left, test.comparators[0], test.ops[0]
             if _is_const(left) and not _is_const(right):
@@ -460,18 +500,24 @@ class _RankChecker:
         if isinstance(test, (ast.Name, ast.Attribute, ast.Call)):
             node = test.func if isinstance(test, ast.Call) else test
             text = ast.unparse(node)
-            last = text.rsplit(".", 1)[-1].lower()
-            if RANK_NAME.search(last) and any(w in last for w in MAIN_WORDS):
+            if _main_name(text):
                 return "main"
-            if isinstance(test, ast.Name) and isinstance(scope, Function):
-                for value, path in self.values.info(scope).assigns.get(test.id, ()):
-                    if not path:
-                        return self.polarity(value, scope, depth + 1)
             if isinstance(test, ast.Name):
-                module = self.values.module_of(scope)
-                for value in module.globals.get(test.id, ()):
-                    return self.polarity(value, module, depth + 1)
+                value, where = self._bound(test, scope)
+                if value is not None:
+                    return self.polarity(value, where, depth + 1)
         return None
+
+    def _bound(self, name: ast.Name, scope) -> tuple:
+        """(the expression a name is bound to unconditionally, its scope), or (None, None)."""
+        if isinstance(scope, Function):
+            for value, path in self.values.info(scope).assigns.get(name.id, ()):
+                if not path:
+                    return value, scope
+        module = self.values.module_of(scope)
+        for value in module.globals.get(name.id, ()):
+            return value, module
+        return None, None
 
 
 _UNKNOWN = object()
@@ -567,6 +613,36 @@ def _kind(name: str) -> str:
 
 def _flip(pol: Optional[str]) -> Optional[str]:
     return {"main": "other", "other": "main"}.get(pol)
+
+
+def _negation(test) -> str:
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return ast.unparse(test.operand)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _NEGATED:
+        return ast.unparse(ast.Compare(test.left, [_NEGATED[type(test.ops[0])]()], test.comparators))
+    inner = ast.unparse(test)
+    return f"not ({inner})" if isinstance(test, (ast.BoolOp, ast.Compare)) else f"not {inner}"
+
+
+_NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot,
+            ast.IsNot: ast.Is}
+
+
+def _main_name(text: str) -> bool:
+    last = text.rsplit(".", 1)[-1].lower()
+    return bool(RANK_NAME.search(last)) and any(w in last for w in MAIN_WORDS)
+
+
+def _agree(sides: list) -> Optional[str]:
+    """The one side all of these are on ("single" is the main rank), else None."""
+    found = {"main" if s == "single" else s for s in sides}
+    if len(found) != 1 or None in found:
+        return None
+    return "single" if all(s == "single" for s in sides) else found.pop()
+
+
+def _ranks(side: Optional[str]) -> Optional[str]:
+    return side if side in ("main", "other") else None
 
 
 def _is_const(node) -> bool:

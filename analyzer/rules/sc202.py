@@ -10,7 +10,11 @@ class UnscaledAccumulatedLoss(Rule):
     what = """
         Finds plain-PyTorch accumulation loops whose loss reaches `backward()` without being divided
         (or multiplied) on the way. Not reported for `accelerator.backward` (Accelerate divides by
-        `gradient_accumulation_steps`) or DeepSpeed engines, which scale the loss themselves.
+        `gradient_accumulation_steps`) or DeepSpeed engines, which scale the loss themselves. Nor for
+        gradient caching (open_clip's `accum_freq`): the window's outputs are cached without gradient,
+        then each micro-batch is re-run and the loss computed over the whole window with its own slot
+        of the cache replaced (`torch.cat(cache[:j] + [out] + cache[j + 1:])`); each such loss is the
+        window's loss, and the micro-steps' gradients add up to the window's gradient.
     """
     why = """
         Gradients of N micro-steps add up. Without dividing each loss by N the optimizer sees N times
@@ -85,6 +89,8 @@ class UnscaledAccumulatedLoss(Rule):
                 if info.via not in ("loss.backward", "scaler.scale(loss).backward", "fabric.backward",
                                     "torch.autograd.backward", "loss_scaler") or info.scaled is not False:
                     continue
+                if info.window:
+                    continue      # gradient caching: each micro-step's loss is the whole window's
                 ctx.report(self, info.module, info.node,
                            "this loss reaches backward() undivided while gradients accumulate over several "
                            "micro-steps: the step applies the sum of N gradients, an N-times larger update than "
