@@ -341,7 +341,13 @@ class Values:
             out |= self.parameter(fn, name)
             self._provisional[key] = frozenset(out)
         for value, path in ordered:
-            out |= self.unpack(self.expr(value, fn), path, value, fn)
+            got = self.unpack(self.expr(value, fn), path, value, fn)
+            if path and got == ONE_UNKNOWN and type(value) is ast.Call:
+                # ``text_encoder, vae, unet = load(...)`` from code we cannot follow: still one object
+                # each, known by the place that bound it (so ``raw = unet`` and a later
+                # ``accelerator.prepare(unet)`` name the same thing)
+                got = frozenset((Obj(site_of(fn.module, value) + (f"[{'.'.join(map(str, path))}]",)),))
+            out |= got
             self._provisional[key] = frozenset(out)
         for target, call in info.inplace_wraps:
             if target == name:
