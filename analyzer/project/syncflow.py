@@ -11,6 +11,11 @@ arguments (a context-sensitive summary, memoized on that input), so a trainer wh
 
 What happens to gradients is written down as *records* (facts.py): each backward's token and how
 it was resolved, each optimizer step's reach, each forward's sync decision. Rules read those.
+
+The stage's modules: flow_state.py (``St``, ``Frame``, joins), loops.py (loops and back edges, a part
+of ``Flow``), events.py and its parts (what each expression and call does), and this one: ``Flow``,
+statements, branches, ``try``, and the states' restriction and join. Every name these modules define
+that syncflow.py held before stays importable from here.
 """
 from __future__ import annotations
 
@@ -20,106 +25,20 @@ from typing import Optional
 from synccheck.analyzer.project import events
 from synccheck.analyzer.project.conditions import Conditions
 from synccheck.analyzer.project.facts import Records
-from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms, exists
-from synccheck.analyzer.project.index import Function
+from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms
+from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal, Prop
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
-from synccheck.analyzer.parse import dotted as _dotted
+# Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
+from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
+from synccheck.analyzer.project.loops import MAX_LOOP_ROUNDS, LoopCtx, LoopInfo, Loops, _int, _loop_head, _steps_each
 
-MAX_LOOP_ROUNDS = 6
 MAX_DEPTH = 8
 MAX_WORK = 60_000          # statements executed per root, inlined calls included
 UNKNOWN_VAL = EnvVal(((TRUE, ONE_UNKNOWN),))
 
 
-class St:
-    """Props (property -> guard) and the local environment along the paths joined here."""
-    __slots__ = ("props", "env")
-
-    def __init__(self, props: dict, env: dict) -> None:
-        self.props = props
-        self.env = env
-
-    def copy(self) -> "St":
-        return St(dict(self.props), dict(self.env))
-
-
-DEAD = None
-
-
-class LoopInfo:
-    """What a loop's syntax says: its counter, the bound of a counted loop, the nodes inside it."""
-    __slots__ = ("node", "counter", "bound", "start", "ids", "id")
-
-    def __init__(self, node) -> None:
-        self.node = node
-        self.id = id(node)
-        self.counter = None
-        self.bound = None
-        self.start = 0
-        self.ids = {id(n) for n in ast.walk(node)}
-        if isinstance(node, (ast.For, ast.AsyncFor)):
-            target, it = node.target, node.iter
-            if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
-                if it.func.id == "enumerate" and it.args and isinstance(target, ast.Tuple) and target.elts \
-                        and isinstance(target.elts[0], ast.Name):
-                    self.counter = target.elts[0].id
-                    self.start = _int(it.args[1]) if len(it.args) > 1 else _int(
-                        next((k.value for k in it.keywords if k.arg == "start"), None)) or 0
-                    if self.start == 0:
-                        self.bound = ast.dump(ast.Call(ast.Name("len", ast.Load()), [it.args[0]], []))
-                elif it.func.id == "range" and isinstance(target, ast.Name):
-                    self.counter = target.id
-                    if len(it.args) == 1:
-                        self.bound = ast.dump(it.args[0])
-                    elif len(it.args) == 2 and _int(it.args[0]) == 0:
-                        self.bound = ast.dump(it.args[1])
-                    elif len(it.args) == 2:
-                        self.start = None          # range(k, n): counter does not start at 0
-                        self.bound = ast.dump(it.args[1])
-
-
-def _int(node) -> Optional[int]:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, int) else None
-
-
-class LoopCtx:
-    __slots__ = ("info", "breaks", "continues", "last")
-
-    def __init__(self, info: LoopInfo, last) -> None:
-        self.info = info
-        self.breaks: list = []
-        self.continues: list = []
-        self.last = last
-
-    @property
-    def counter(self):
-        return self.info.counter
-
-    @property
-    def bound(self):
-        return self.info.bound
-
-
-class Frame:
-    """One function being analysed (the root, or a callee analysed in place)."""
-
-    def __init__(self, scope, depth: int = 0, stack: tuple = (), no_grad: int = 0) -> None:
-        self.scope = scope
-        self.module = scope.module if isinstance(scope, Function) else scope
-        self.depth = depth
-        self.stack = stack
-        self.returns: list = []
-        self.ret_vals: list = []
-        self.loops: list = []
-        self.no_grad = no_grad
-        self.yield_handler = None
-        self.control = None             # (module, call) of the with helper(...) this frame runs for
-        self.exitstacks: dict = {}      # ExitStack creation site -> the with statement that owns it
-        self.gate = False               # inside a branch that decides whether the optimizer steps
-
-
-class Flow:
+class Flow(Loops):
     """The analysis of one root."""
 
     def __init__(self, program, root) -> None:
@@ -275,140 +194,6 @@ class Flow:
             out = self.block(s.finalbody, out, fr)
         return out
 
-    # -- loops ---------------------------------------------------------------------------------------------
-    def loop_info(self, node) -> LoopInfo:
-        info = self.loop_infos.get(id(node))
-        if info is None:
-            info = self.loop_infos[id(node)] = LoopInfo(node)
-        return info
-
-    def last_atom(self, ctx: LoopCtx):
-        if ctx.last is None:
-            ctx.last = self.last_atoms.get(ctx.info.id)
-        if ctx.last is None:
-            text = f"the last iteration of `{_loop_head(ctx.info.node, self)}`"
-            ctx.last = self.atoms.get(("LAST", ctx.info.id), text)
-            if ctx.last is not None:
-                ctx.last.loop = ctx.info.id
-                self.last_atoms[ctx.info.id] = ctx.last
-                self.atom_info[ctx.last.index] = ((), False)
-        return ctx.last
-
-    def loop(self, s, st: St, fr: Frame):
-        info = self.loop_info(s)
-        is_for = not isinstance(s, ast.While)
-        if is_for:
-            self.expr(s.iter, st, fr)
-        counted = is_for and info.bound is not None and self.program.loop_runs_backward(s, fr)
-        ctx = LoopCtx(info, None)
-        last = self.last_atom(ctx) if counted else None
-        turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
-        if is_for and _steps_each(s):
-            self.optimizer_loops.add(info.id)
-        entry = St({p._replace(first=p.first | {info.id}): g for p, g in st.props.items()}, dict(st.env))
-        head = entry
-        end = None
-        for _ in range(MAX_LOOP_ROUNDS):
-            ctx.breaks, ctx.continues = [], []
-            fr.loops.append(ctx)
-            body_in = head.copy()
-            if is_for:
-                events.assign(self, s.target, EnvVal(((TRUE, turn),), version=id(s)), s, body_in, fr,
-                              version=id(s))
-            else:
-                true, _ = self.conds.cond(s.test, body_in, fr, self.program.relevant_branch(s, fr))
-                body_in = self.restrict(body_in, true)
-            self.loop_stack.append(info.id)
-            self.loop_owner[info.id] = (fr.module, len(self.call_stack))
-            out = self.block(s.body, body_in, fr)
-            self.loop_stack.pop()
-            fr.loops.pop()
-            end = self.join([out] + ctx.continues)
-            back = self.restrict(end.copy(), self.atoms.formula(last, False)) if (last is not None and end) else end
-            new_head = self.join([entry, self.back_edge(back, info)])
-            if _same(new_head, head):
-                break
-            head = new_head
-        exits = list(ctx.breaks)
-        if last is not None:
-            exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
-        elif is_for and end is not None and info.id in self.optimizer_loops:
-            exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
-        elif is_for:
-            exits.append(head)
-        else:
-            _, false = self.conds.cond(s.test, head.copy(), fr, self.program.relevant_branch(s, fr))
-            exits.append(self.restrict(head.copy(), false) if false else None)
-        out = self.join(exits)
-        if out is not None and s.orelse:
-            out = self.block(s.orelse, out, fr)
-        if out is not None:
-            out = St(_merge_props((p._replace(first=p.first - {info.id}), g) for p, g in out.props.items()), out.env)
-        return out
-
-    def back_edge(self, st: Optional[St], info: LoopInfo):
-        """Going round: tokens remember the micro-step they came from; conditions that the next
-        iteration evaluates afresh are forgotten; names rebound in the loop get a new version."""
-        if st is None or not st.props:
-            return None
-        forget = [a.index for a in self.atoms.atoms if self._loop_dependent(a, info)]
-        props: dict = {}
-        for prop, guard in st.props.items():
-            tokens = tuple(t._replace(frozen=guard) if t.frozen is None else t for t in prop.tokens)
-            g = guard
-            for k in forget:
-                g = exists(g, k)
-            key = prop._replace(tokens=tokens, first=prop.first - {info.id})
-            props[key] = props.get(key, 0) | (g & self.atoms.universe)
-        env = {}
-        for name, value in st.env.items():
-            if isinstance(value.version, int) and value.version in info.ids or name in self._rebound(info):
-                value = value._replace(version=("phi", info.id), cond=None,
-                                       alts=tuple((TRUE, v) for _, v in value.alts))
-            env[name] = value
-        return St(props, env)
-
-    def _rebound(self, info: LoopInfo) -> set:
-        key = ("rebound", info.id)
-        if key not in self.memo:
-            names = set()
-            for n in ast.walk(info.node):
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
-                    names.add(n.id)
-                elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
-                    dotted = _dotted(n)
-                    if dotted:
-                        names.add(dotted)
-            self.memo[key] = names
-        return self.memo[key]
-
-    def _loop_dependent(self, atom, info: LoopInfo) -> bool:
-        if atom.loop is not None:
-            return atom.loop == info.id or atom.loop in info.ids
-        versions, volatile = self.atom_info.get(atom.index, ((), True))
-        if volatile:
-            # tested afresh each time round the loops it is tested in; a test made once before an
-            # inner loop (``for opt in optimizers:``) holds all through that loop
-            loops = self.atom_loops.get(atom.index)
-            return loops is None or info.id in loops
-        for v in versions:
-            if v == ("phi", info.id) or (isinstance(v, int) and v in info.ids):
-                return True
-            if isinstance(v, tuple) and v and v[0] == "phi" and v[1] in info.ids:
-                return True
-        return False
-
-    def note_atom(self, atom, versions, volatile: bool) -> None:
-        if atom.index not in self.atom_info:
-            self.atom_info[atom.index] = (versions, volatile)
-        self.atom_loops.setdefault(atom.index, set()).update(self.loop_stack)
-
-    def counter_loop(self, counter_dump: str, fr: Frame):
-        for ctx in reversed(fr.loops):
-            if ctx.counter and counter_dump == ast.dump(ast.Name(ctx.counter, ast.Load())) and ctx.info.start is not None:
-                return ctx.info.id, ctx.info.start
-        return None
-
     # -- states ------------------------------------------------------------------------------------------
     def first_mask(self, first: frozenset) -> int:
         if not first:
@@ -488,68 +273,3 @@ class Flow:
             if isinstance(v, Const) and isinstance(v.value, (int, bool)):
                 return v.value
         return None
-
-
-def _same(a: Optional[St], b: Optional[St]) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.props == b.props and a.env == b.env
-
-
-def _merge_props(items) -> dict:
-    out: dict = {}
-    for p, g in items:
-        out[p] = out.get(p, 0) | g
-    return out
-
-
-def _scaled_or(a, b):
-    if a or b:
-        return True
-    if a is None or b is None:
-        return None
-    return False
-
-
-def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
-    if a == b:
-        return a
-    if formulas is not None:
-        true, false = formulas
-        alts = tuple((g & true, v) for g, v in a.alts if g & true) + tuple((g & false, v) for g, v in b.alts if g & false)
-        cond = None
-        if a.cond is not None and b.cond is not None:
-            cond = ((true & a.cond[0]) | (false & b.cond[0]), (true & a.cond[1]) | (false & b.cond[1]))
-    else:
-        alts = a.alts + tuple(x for x in b.alts if x not in a.alts)
-        cond = a.cond if a.cond == b.cond else None
-    if len(alts) > 8:
-        merged = frozenset()
-        for _, v in alts:
-            merged |= v
-        alts = ((TRUE, merged),)
-    version = a.version if a.version == b.version else ("merge", _vkey(a.version), _vkey(b.version))
-    return EnvVal(alts, a.prov | b.prov, _scaled_or(a.scaled, b.scaled) if (a.scaled or b.scaled) else
-                  (None if a.scaled is None or b.scaled is None else False), cond, version)
-
-
-def _vkey(v):
-    return v if not isinstance(v, tuple) or len(repr(v)) < 200 else hash(v)
-
-
-def _loop_head(node, flow) -> str:
-    if isinstance(node, (ast.For, ast.AsyncFor)):
-        text = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}"
-    else:
-        text = f"while {ast.unparse(node.test)}"
-    return text if len(text) < 60 else text[:57] + "..."
-
-
-def _steps_each(loop) -> bool:
-    """``for opt in opts: opt.step()``: a loop over optimizers, which runs at least once."""
-    if not isinstance(loop.target, ast.Name):
-        return False
-    name = loop.target.id
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and
-               isinstance(n.func.value, ast.Name) and n.func.value.id == name
-               for stmt in loop.body for n in ast.walk(stmt))

@@ -1,0 +1,242 @@
+"""Stage 4 of the pipeline (project index), part 1: what one parsed file defines.
+
+A ``Module`` is one file parsed with the stdlib ``ast``: its functions (``Function``, nested ones
+included), classes (``Class``, with their base-class expressions and methods), module-level names,
+and import bindings (``import x``, ``from .a import b``, star imports). Names resolve (resolution.py)
+to a *symbol*: a ``Function`` or ``Class`` of an indexed module, a ``ModuleRef``, a ``GlobalRef`` (a
+module-level variable), or an ``External`` qualified name the vocabulary understands.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+class Function:
+    """A function or method of an indexed module."""
+    __slots__ = ("node", "module", "qualname", "cls", "parent", "params", "contextmanager", "uid", "locals",
+                 "nested", "info", "__weakref__")
+
+    def __init__(self, node, module: "Module", qualname: str, cls: Optional["Class"], parent: Optional["Function"]):
+        self.node = node
+        self.module = module
+        self.qualname = qualname
+        self.cls = cls
+        self.parent = parent
+        args = node.args
+        self.params = [a.arg for a in args.posonlyargs + args.args] + [a.arg for a in args.kwonlyargs]
+        self.contextmanager = any(_decorator_name(d) in ("contextmanager", "asynccontextmanager")
+                                  for d in node.decorator_list)
+        self.uid = f"{module.path}:{qualname}"
+        self.locals: Optional[set] = None       # names the function binds (filled by values.py on demand)
+        self.nested: dict = {}                   # name -> Function defined inside this one
+        self.info = None                         # what it binds (scopes.ScopeInfo, filled on demand)
+
+    @property
+    def is_method(self) -> bool:
+        return self.cls is not None and self.parent is None and not any(
+            _decorator_name(d) == "staticmethod" for d in self.node.decorator_list)
+
+    def __repr__(self) -> str:
+        return f"<Function {self.uid}>"
+
+
+class Class:
+    __slots__ = ("node", "module", "qualname", "methods", "uid", "bases", "mro", "attrs", "__weakref__")
+
+    def __init__(self, node: ast.ClassDef, module: "Module", qualname: str):
+        self.node = node
+        self.module = module
+        self.qualname = qualname
+        self.methods: dict = {}
+        self.uid = f"{module.path}:{qualname}"
+        self.bases = None           # resolved once (Project.bases)
+        self.mro = None
+        self.attrs = None           # attr -> [(method, value, unpack path)] of self.attr = value (values.py)
+
+    def __repr__(self) -> str:
+        return f"<Class {self.uid}>"
+
+
+class Module:
+    """One parsed file."""
+
+    def __init__(self, path: str, name: str, package: str, tree: ast.Module, text: str, linted: bool) -> None:
+        self.path = path
+        self.name = name             # dotted module name, e.g. "engine" or "pkg.sub.mod"
+        self.package = package       # for relative imports: "pkg.sub" ("" at the top)
+        self.tree = tree
+        self.text = text
+        self.linted = linted
+        self._lines = None
+        self.info = None             # what its top level binds (values.py fills it on demand)
+        self.imports: dict = {}      # local name -> (module, attribute or None, level)
+        self.stars: list = []        # (module, level) of ``from m import *``
+        self.functions: dict = {}    # qualname -> Function (top level, methods, nested)
+        self.classes: dict = {}      # qualname -> Class
+        self.top: dict = {}          # top-level name -> Function | Class
+        self.globals: dict = {}      # top-level name -> [value expressions]
+        self._index()
+
+    def __repr__(self) -> str:
+        return f"<Module {self.name} {self.path}>"
+
+    def segment(self, node) -> str:
+        """The source text of a node (ast.get_source_segment splits the whole file at every call)."""
+        lines = self._lines
+        if lines is None:
+            lines = self._lines = self.text.splitlines(keepends=True)
+        try:
+            first, last = node.lineno - 1, node.end_lineno - 1
+            start, end = node.col_offset, node.end_col_offset
+        except AttributeError:
+            return ""
+        if not 0 <= first <= last < len(lines):
+            return ""
+        if first == last:
+            return _cut(lines[first], start, end)
+        parts = [_cut(lines[first], start, None)] + lines[first + 1:last] + [_cut(lines[last], 0, end)]
+        return "".join(parts)
+
+    def _index(self) -> None:
+        self._walk(self.tree.body, cls=None, parent=None, prefix="", top=True)
+
+    def _walk(self, body, cls, parent, prefix: str, top: bool) -> None:
+        for stmt in body:
+            if isinstance(stmt, FUNCTION_TYPES):
+                qual = prefix + stmt.name
+                fn = Function(stmt, self, qual, cls, parent)
+                self.functions.setdefault(qual, fn)
+                if cls is not None and parent is None:
+                    cls.methods.setdefault(stmt.name, fn)
+                elif parent is not None:
+                    parent.nested.setdefault(stmt.name, fn)
+                elif top:
+                    self.top[stmt.name] = fn
+                self._walk(stmt.body, cls=None if parent is None and cls is None else cls, parent=fn,
+                           prefix=qual + ".<locals>.", top=False)
+            elif isinstance(stmt, ast.ClassDef):
+                qual = prefix + stmt.name
+                klass = Class(stmt, self, qual)
+                self.classes.setdefault(qual, klass)
+                if top:
+                    self.top[stmt.name] = klass
+                self._walk(stmt.body, cls=klass, parent=None, prefix=qual + ".", top=False)
+            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                self._import(stmt)
+            else:
+                if top and isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                    for t in targets:
+                        for name in _target_names(t):
+                            self.globals.setdefault(name, []).append(stmt.value)
+                # definitions and imports under if / try / with / for at any level
+                for field in ("body", "orelse", "finalbody"):
+                    block = getattr(stmt, field, None)
+                    if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                        self._walk(block, cls, parent, prefix, top)
+                for handler in getattr(stmt, "handlers", ()):
+                    self._walk(handler.body, cls, parent, prefix, top)
+                if isinstance(stmt, ast.Match):
+                    for case in stmt.cases:
+                        self._walk(case.body, cls, parent, prefix, top)
+        return None
+
+    def _import(self, stmt) -> None:
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                if alias.asname:
+                    self.imports.setdefault(alias.asname, (alias.name, None, 0))
+                else:
+                    head = alias.name.split(".")[0]
+                    self.imports.setdefault(head, (head, None, 0))
+            return
+        module = stmt.module or ""
+        for alias in stmt.names:
+            if alias.name == "*":
+                self.stars.append((module, stmt.level))
+            else:
+                self.imports.setdefault(alias.asname or alias.name, (module, alias.name, stmt.level))
+
+
+def _cut(line: str, start, end) -> str:
+    """A line cut at UTF-8 byte offsets (what ast's col_offset counts)."""
+    if line.isascii():
+        return line[start:end]
+    data = line.encode("utf-8")
+    return data[start:end].decode("utf-8", errors="replace")
+
+
+def _decorator_name(node) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Name):
+        return node.id
+    return ""
+
+
+def _target_names(target) -> list:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for el in target.elts for n in _target_names(el)]
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Symbols
+
+class External:
+    """A name from outside the project: ``torch.nn.parallel.DistributedDataParallel``."""
+    __slots__ = ("qualname",)
+
+    def __init__(self, qualname: str) -> None:
+        self.qualname = qualname
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, External) and other.qualname == self.qualname
+
+    def __hash__(self) -> int:
+        return hash(("ext", self.qualname))
+
+    def __repr__(self) -> str:
+        return f"<External {self.qualname}>"
+
+
+class ModuleRef:
+    __slots__ = ("module",)
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ModuleRef) and other.module is self.module
+
+    def __hash__(self) -> int:
+        return hash(("mod", self.module.path))
+
+
+class GlobalRef:
+    """A module-level variable of an indexed module."""
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: Module, name: str) -> None:
+        self.module = module
+        self.name = name
+
+
+def qualified_name(symbol) -> str:
+    """What the vocabulary matches: an external's name, or a project definition's full dotted name."""
+    if isinstance(symbol, External):
+        return symbol.qualname
+    if isinstance(symbol, (Function, Class)):
+        return f"{symbol.module.name}.{symbol.qualname}"
+    if isinstance(symbol, ModuleRef):
+        return symbol.module.name
+    return ""

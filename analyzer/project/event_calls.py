@@ -1,0 +1,237 @@
+"""Stage 6 of the pipeline (sync dataflow), events part 2: calls.
+
+A call's arguments are evaluated first, then what the callee may be decides: a data-parallel model
+(a forward), a method that is an event (event_methods.py), a project function or class (analysed in
+place by ``inline`` with the caller's state and arguments, memoized on that input), a
+``@contextmanager`` helper (entered later by the ``with``, sync_control.py), a ``functools.partial``,
+or something unknown (its result carries its arguments' provenance). A callee that is one of several
+values on different paths is each of them on its own path.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.guards import TRUE
+from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Ext, Func, Inst, NativeScaler, Optim, Wrapper,
+                                               parameter_default)
+
+
+# ---------------------------------------------------------------------------------------------------
+# calls
+
+def call(flow, node: ast.Call, st, fr) -> EnvVal:
+    func = node.func
+    recv = expr(flow, func.value, st, fr) if isinstance(func, ast.Attribute) else None
+    if isinstance(func, ast.Lambda):
+        return _val(ONE_UNKNOWN)
+    args = [expr(flow, a, st, fr) for a in node.args]
+    kws = {kw.arg: expr(flow, kw.value, st, fr) for kw in node.keywords}
+    if recv is not None:
+        handled = _method(flow, node, func.attr, recv, args, kws, st, fr)
+        if handled is not None:
+            return handled
+        callee = flow.values.attribute(recv.values, func.attr, func, fr.scope)
+    else:
+        callee_val = expr(flow, func, st, fr)
+        callee = callee_val.values
+        if len(callee_val.alts) > 1 and flow.program.wrappers(callee):
+            return _forward_by_alts(flow, node, callee_val, args, kws, st, fr)
+        if len(callee_val.alts) > 1 and any(isinstance(v, FlowFactory) for v in callee):
+            return _factory_by_alts(flow, node, callee_val, recv, args, kws, st, fr)
+    wrappers = flow.program.wrappers(callee)
+    if wrappers:
+        return forward(flow, node, wrappers, args, kws, st, fr)
+    targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
+    results = []
+    if len(targets) > 1:
+        # the callee may be any of these (a method of the class or of a subclass): each is a path
+        outs = []
+        for v in sorted(targets, key=repr):
+            part = st.copy()
+            result = _call_target(flow, node, v, recv, args, kws, part, fr)
+            if result is not None:
+                results.append(result)
+            outs.append(part)
+        joined = flow.join(outs)
+        st.props = joined.props if joined is not None else {}
+        targets = []
+    for v in targets:
+        result = _call_target(flow, node, v, recv, args, kws, st, fr)
+        if result is not None:
+            results.append(result)
+    if results:
+        out = results[0]
+        for r in results[1:]:
+            out = EnvVal(out.alts + r.alts, out.prov | r.prov, out.scaled if out.scaled == r.scaled else None,
+                         out.cond if out.cond == r.cond else None)
+        return out
+    prov = _prov(*args, *kws.values())
+    # a call's result is a fresh value (a loss function's output is not divided), unless it was
+    # computed from something already divided
+    scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
+    return _val(flow.values.expr(node, fr.scope), prov, scaled)
+
+
+def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:
+    """``model(x)`` where ``model`` is a wrapper on some paths only: a forward on those paths."""
+    parts = []
+    result = None
+    for formula, vals in callee.alts:
+        part = flow.restrict(st.copy(), formula)
+        if part is None or not part.props:
+            continue
+        wrappers = flow.program.wrappers(vals)
+        if wrappers:
+            result = forward(flow, node, wrappers, args, kws, part, fr)
+        parts.append(part)
+    joined = flow.join(parts)
+    st.props = joined.props if joined is not None else {}
+    return result or _val(ONE_UNKNOWN, _prov(*args, *kws.values()), False)
+
+
+def _literal_default(node, name: str):
+    """The default of parameter ``name`` when it is a literal (True, 0, None, "x"), else None."""
+    value = parameter_default(node, name)
+    return value if isinstance(value, ast.Constant) else None
+
+
+def _factory_by_alts(flow, node, callee: EnvVal, recv, args, kws, st, fr) -> EnvVal:
+    """``ctx()`` where ``ctx = model.no_sync if cond else nullcontext``: the sync control on the
+    paths where the factory was chosen, whatever the other alternatives make."""
+    alts = []
+    for formula, vals in callee.alts:
+        for v in sorted(vals, key=repr):
+            result = _call_target(flow, node, v, recv, args, kws, st, fr) if isinstance(
+                v, (FlowFactory, Ext)) else None
+            if result is None:
+                alts.append((formula, ONE_UNKNOWN))
+                continue
+            alts.extend((g & formula, rv) for g, rv in result.alts if g & formula)
+    return EnvVal(tuple(alts) or ((TRUE, ONE_UNKNOWN),), _prov(*args, *kws.values()), None, None)
+
+
+def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
+    if isinstance(v, Ext):
+        return _external(flow, node, v.qualname, args, kws, st, fr)
+    if isinstance(v, FlowFactory):
+        return _val(frozenset((FlowCtx(v.effect, v.models, v.site, v.how + "()"),)))
+    if isinstance(v, NativeScaler):
+        return _native_scaler(flow, node, args, kws, st, fr)
+    if isinstance(v, FlowPartial):
+        fn_vals, p_args, p_kws = flow.partials[v.key]
+        out = None
+        for target in fn_vals:
+            if isinstance(target, (Func, Bound, Cls, Inst)):
+                out = _call_target(flow, node, target, None, list(p_args) + list(args), {**p_kws, **kws}, st, fr)
+        return out
+    fn, receiver = None, None
+    if isinstance(v, Func):
+        fn = v.fn
+    elif isinstance(v, Bound):
+        fn, receiver = v.fn, v.receiver
+    elif isinstance(v, Cls):
+        made = flow.values.expr(node, fr.scope)
+        if any(isinstance(x, (Wrapper, Optim)) for x in made):
+            return _val(made)          # a project subclass of DDP or of a torch optimizer
+        init = flow.project.attribute(v.cls, "__init__")
+        fn, receiver = (init, Inst(v.cls)) if isinstance(init, Function) else (None, None)
+        if fn is None:
+            return _val(frozenset((Inst(v.cls),)))
+    elif isinstance(v, Inst):
+        method = flow.project.attribute(v.cls, "__call__")
+        if not isinstance(method, Function):
+            return None
+        fn, receiver = method, v
+    if fn is None:
+        return None
+    if fn.contextmanager:
+        key = id(node)
+        flow.helpers[key] = (fn, receiver, args, kws, node)
+        return _val(frozenset((FlowHelper(key),)))
+    result = inline(flow, fn, node, receiver, args, kws, st, fr)
+    if isinstance(v, Cls):
+        return _val(frozenset((Inst(v.cls),)))
+    if result is None:
+        # not worth following (no event, no model passed in): what it returns, and whether it divides
+        prov = _prov(*args, *kws.values())
+        return _val(flow.values.returns(fn), prov, flow.program.returns_scaled(fn))
+    return result
+
+
+def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=None,
+           control=None) -> Optional[EnvVal]:
+    """Analyse ``fn`` in place with the caller's state; None when it cannot matter or cannot be followed."""
+    carries = any(a.prov or flow.program.wrappers(a.values) for a in list(args) + list(kws.values()))
+    if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
+        return None
+    if yield_handler is None and not (flow.program.has_events(fn) or carries):
+        return None
+    env = {}
+    params = list(fn.params)
+    positional = list(args)
+    if receiver is not None and fn.is_method and params:
+        env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))
+        params = params[1:]
+    kwonly = {a.arg for a in fn.node.args.kwonlyargs}
+    for i, name in enumerate(params):
+        if name in kws:
+            value = kws[name]
+        elif i < len(positional) and name not in kwonly and not any(isinstance(a, ast.Starred) for a in node.args[:i + 1]):
+            value = positional[i]
+        elif not node.keywords or all(k.arg is not None for k in node.keywords):
+            # not passed: a literal default is what the callee sees (``update_grad=True``)
+            default = _literal_default(fn.node, name)
+            if default is None or any(isinstance(a, ast.Starred) for a in node.args):
+                continue
+            value = expr(flow, default, st, fr)
+        else:
+            continue
+        env[name] = value._replace(version=("arg", id(node), i))
+    key = None
+    if yield_handler is None:
+        key = (fn.uid, tuple(sorted((k, _freeze(v)) for k, v in env.items())), frozenset(st.props.items()), fr.no_grad > 0)
+        hit = flow.memo.get(key)
+        if hit is not None:
+            st.props = dict(hit[0])
+            return hit[1]
+    from synccheck.analyzer.project.syncflow import Frame, St
+    frame = Frame(fn, fr.depth + 1, fr.stack + (fn.uid,), fr.no_grad)
+    frame.yield_handler = yield_handler
+    # a flag a @contextmanager helper writes is the caller's ``with helper(...)``: reported there
+    frame.control = control or fr.control
+    if any(_deco(d) in ("no_grad", "inference_mode") for d in fn.node.decorator_list):
+        frame.no_grad += 1
+    flow.call_stack.append((fr.module, node))
+    try:
+        out = flow.block(fn.node.body, St(dict(st.props), env), frame)
+    finally:
+        flow.call_stack.pop()
+    ends = flow.join([out] + frame.returns)
+    props = ends.props if ends is not None else {}
+    if frame.ret_vals:
+        result = frame.ret_vals[0]
+        for r in frame.ret_vals[1:]:
+            result = EnvVal(result.alts + tuple(a for a in r.alts if a not in result.alts), result.prov | r.prov,
+                            True if (result.scaled or r.scaled) else result.scaled,
+                            result.cond if result.cond == r.cond else None)
+    else:
+        result = NONE_VAL
+    st.props = dict(props)
+    if key is not None:
+        flow.memo[key] = (props, result)
+    return result
+
+
+def _freeze(value: EnvVal):
+    return (value.alts, value.prov, value.scaled, value.cond)
+
+
+# The events stage's parts call one another: their names are imported last, once every part has
+# defined its own, so the parts may be imported in any order.
+from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, _deco, _prov,
+                                               _val, expr)
+from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler
+from synccheck.analyzer.project.micro_step import forward

@@ -1,0 +1,212 @@
+"""Stage 6 of the pipeline (sync dataflow), events part 3: library calls and methods that are events.
+
+Whatever their receiver's class: ``backward`` (a loss's, ``scaler.scale(loss)``'s, an Accelerator's,
+Fabric's, a DeepSpeed engine's), ``step`` and ``zero_grad`` of optimizers and scalers, ``no_sync`` /
+``accumulate`` / ``no_backward_sync`` contexts being made, ``set_requires_gradient_sync``, an
+``ExitStack``'s ``enter_context``, tensor methods that keep or divide a loss, collectives; and the
+library functions that are events (``torch.autograd.backward``, ``torch.distributed.all_reduce``,
+``nullcontext``, ``functools.partial``, timm's ``NativeScaler``).
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Ext, Framework, Inner, Inst, Obj, Optim,
+                                               Scaler, Unknown, Wrapper, site_of)
+
+
+def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
+    last = vocab.tail(qual)
+    module = fr.module
+    site = site_of(module, node)
+    if qual in ("torch.autograd.backward",) and args:
+        backward(flow, node, args[0], "torch.autograd.backward", st, fr)
+        return NONE_VAL
+    if qual.startswith("torch.distributed.") and last in vocab.COLLECTIVES:
+        collective(flow, node, last, st, fr)
+        return None
+    if last in ("nullcontext",) or qual in ("contextlib.suppress",):
+        return _val(frozenset((FlowCtx("null", frozenset(), site),)))
+    if last == "ExitStack":
+        return _val(frozenset((FlowCtx("exitstack", frozenset(), site),)))
+    if qual in ("functools.partial", "partial") and args:
+        key = id(node)
+        flow.partials[key] = (args[0].values, tuple(args[1:]), dict(kws))
+        return _val(frozenset((FlowPartial(key),)))
+    if qual in vocab.NO_GRAD:
+        return _val(frozenset((FlowCtx("nograd", frozenset(), site),)))
+    if qual in ("torch.compile", "torch.nn.SyncBatchNorm.convert_sync_batchnorm") and args:
+        return args[0]
+    if last in vocab.GRAD_SYNC:
+        collective(flow, node, last, st, fr)
+        return None
+    return None
+
+
+def _native_scaler(flow, node, args, kws, st, fr) -> EnvVal:
+    """timm's ``loss_scaler(loss, optimizer, ..., need_update=...)``: backward, then step when due."""
+    loss = args[0] if args else kws.get("loss")
+    optimizer = args[1] if len(args) > 1 else kws.get("optimizer")
+    if loss is not None:
+        backward(flow, node, loss, "loss_scaler", st, fr)
+    update = kws.get("need_update") or kws.get("update_grad")
+    if optimizer is None:
+        return NONE_VAL
+    if update is None:
+        step(flow, node, optimizer.values, st, fr)
+        return NONE_VAL
+    true, false = _cond_of(flow, update, next((k.value for k in node.keywords if k.arg in ("need_update", "update_grad")),
+                                              None), st, fr)
+    stepped = flow.restrict(st.copy(), true)
+    if stepped is not None and stepped.props:
+        step(flow, node, optimizer.values, stepped, fr)
+    skipped = flow.restrict(st.copy(), false)
+    joined = flow.join([stepped, skipped])
+    st.props = joined.props if joined is not None else {}
+    return NONE_VAL
+
+
+def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[EnvVal]:
+    """Methods that are events whatever their receiver's class: backward, step, zero_grad, no_sync..."""
+    vals = recv.values
+    program = flow.program
+    site = site_of(fr.module, node)
+    frameworks = {v.kind for v in vals if isinstance(v, Framework)}
+    project_method = any(isinstance(v, Inst) and flow.project.attribute(v.cls, attr) is not None for v in vals)
+    if attr == "backward" and not project_method:
+        if frameworks and args:
+            backward(flow, node, args[0], f"{sorted(frameworks)[0]}.backward", st, fr)
+            return NONE_VAL
+        engines = [v for v in vals if isinstance(v, Wrapper) and v.kind == "deepspeed"]
+        if engines:
+            loss = args[0] if args else None
+            backward(flow, node, loss, "engine.backward", st, fr, engines=frozenset(engines))
+            return NONE_VAL
+        if any(isinstance(v, Accumulator) for v in vals) and args:
+            backward(flow, node, args[0], "accumulator.backward", st, fr)
+            return NONE_VAL
+        if any(isinstance(v, (Optim, Framework)) for v in vals) and args:
+            backward(flow, node, args[0], "optimizer.backward", st, fr)
+            return NONE_VAL
+        how = "scaler.scale(loss).backward" if _scale_call(node.func.value) else "loss.backward"
+        backward(flow, node, recv, how, st, fr)
+        return NONE_VAL
+    if attr == "step" and not project_method:
+        if any(isinstance(v, Scaler) for v in vals) or (_name(node.func.value).endswith("scaler") and args):
+            if args:
+                step(flow, node, args[0].values, st, fr)
+                return NONE_VAL
+        optims = frozenset(v for v in vals if isinstance(v, Optim))
+        engines = frozenset(v for v in vals if isinstance(v, Wrapper) and v.kind == "deepspeed")
+        if optims or engines:
+            step(flow, node, optims | engines, st, fr)
+            return NONE_VAL
+        if _unknown(vals) and vocab.looks_like_optimizer(_name(node.func.value)):
+            step(flow, node, frozenset(), st, fr)
+            return NONE_VAL
+        return None
+    if attr == "zero_grad" and not project_method:
+        if _unknown(vals) and not vocab.looks_like_optimizer(_name(node.func.value)) and \
+                not _name(node.func.value).endswith("model"):
+            return None
+        zero_grad(flow, node, vals, st, fr)
+        return NONE_VAL
+    if attr == "no_sync" and not node.args:
+        models = program.wrappers(vals)
+        if frameworks:
+            return None
+        return _val(frozenset((FlowCtx("off", models, site, _text(fr, node)),)))
+    if attr in ("no_sync", "accumulate") and "accelerate" in frameworks:
+        models = program.wrappers(args[0].values) if args else frozenset()
+        effect = "managed" if attr == "accumulate" else "off"
+        return _val(frozenset((FlowCtx(effect, models, site, _text(fr, node)),)))
+    if attr == "accumulate" and any(isinstance(v, Accumulator) for v in vals):
+        models = frozenset()
+        for v in vals:
+            if isinstance(v, Accumulator):
+                models |= program.wrappers(flow.values.context_models(v))
+        return _val(frozenset((FlowCtx("managed", models, site, _text(fr, node)),)))
+    if attr == "no_backward_sync" and "fabric" in frameworks:
+        models = program.wrappers(args[0].values) if args else frozenset()
+        enabled_node = next((k.value for k in node.keywords if k.arg == "enabled"),
+                            node.args[1] if len(node.args) > 1 else None)
+        enabled = kws.get("enabled") or (args[1] if len(args) > 1 else None)
+        guard = _cond_of(flow, enabled, enabled_node, st, fr) if enabled is not None else None
+        return _val(frozenset((FlowCtx("off", models, site, _text(fr, node), guard),)))
+    if attr == "set_requires_gradient_sync" and args:
+        models = program.wrappers(vals)
+        flag(flow, node, models, _cond_of(flow, args[0], node.args[0], st, fr), st, fr)
+        return NONE_VAL
+    if attr == "enter_context" and args:
+        owners = [flow.exitstacks.get(v.site) for v in vals if isinstance(v, FlowCtx) and v.effect == "exitstack"]
+        owner = next((o for o in owners if o is not None), None)
+        if owner is not None:
+            push_controls(flow, node, args[0], st, fr, owner)
+        return args[0]
+    if attr == "forward":
+        models = program.wrappers(vals)
+        if models:
+            return forward(flow, node, models, args, kws, st, fr)
+    if attr in vocab.SELF_RETURNING and any(isinstance(v, (Wrapper, Obj, Inner, Inst)) for v in vals):
+        return recv          # ``model.to(device)`` is ``model``, whatever this path knows it to be
+    if attr == "unwrap_model" and frameworks and args:
+        return _val(frozenset(Inner(w) if isinstance(w, Wrapper) else w for w in args[0].values))
+    if attr in ("detach", "item", "tolist", "cpu", "numpy") and not program.wrappers(vals):
+        return _val(ONE_UNKNOWN)
+    if attr in vocab.TENSOR_PASSTHROUGH and recv.prov:
+        return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
+    if attr in ("div", "div_", "mul", "mul_", "true_divide") and recv.prov:
+        return _val(ONE_UNKNOWN, recv.prov, True)
+    if attr == "average_parameters" or (attr in vocab.GRAD_SYNC and not project_method):
+        collective(flow, node, attr, st, fr)
+        return NONE_VAL
+    if attr in vocab.FRAMEWORK_COLLECTIVES and frameworks:
+        return None
+    return None
+
+
+_COUNT_WORDS = ("accum", "grad_acc", "gradient_acc", "micro", "update_freq", "iters_to_acc", "n_acc", "ga_",
+                "num_steps", "n_steps", "batches", "chunks", "splits", "inv", "norm", "scale", "world", "factor")
+
+
+def scales_by_count(factor) -> bool:
+    """Could multiplying a loss by this be the accumulation's division (``loss * (1 / accum)``,
+    ``loss * 0.25``, ``loss * self.inv_accum``)? A plain weight (``lambda_coeff``, ``alpha``) is not."""
+    if isinstance(factor, ast.Constant):
+        return True
+    if isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Div):
+        return True
+    text = ast.unparse(factor).lower()
+    return any(w in text for w in _COUNT_WORDS)
+
+
+def _scale_call(node) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "scale"
+
+
+def _unknown(vals) -> bool:
+    return all(isinstance(v, (Unknown, Obj, Ext)) for v in vals)
+
+
+def _name(node) -> str:
+    if isinstance(node, ast.Attribute):
+        return node.attr.lower()
+    if isinstance(node, ast.Name):
+        return node.id.lower()
+    if isinstance(node, ast.Subscript):
+        inner = node.slice
+        if isinstance(inner, ast.Constant) and isinstance(inner.value, str) and \
+                vocab.looks_like_optimizer(inner.value.lower()):
+            return inner.value.lower()
+        return _name(node.value)     # ``self.optimizers["model"]``: one of the optimizers
+    return ""
+
+
+# The events stage's parts call one another: their names are imported last, once every part has
+# defined its own, so the parts may be imported in any order.
+from synccheck.analyzer.project.events import NONE_VAL, FlowCtx, FlowPartial, _cond_of, _prov, _text, _val
+from synccheck.analyzer.project.micro_step import backward, collective, flag, forward, step, zero_grad
+from synccheck.analyzer.project.sync_control import push_controls

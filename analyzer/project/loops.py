@@ -1,0 +1,232 @@
+"""Stage 6 of the pipeline (sync dataflow), part 2: loops and their back edges.
+
+A loop goes round to a fixpoint (at most ``MAX_LOOP_ROUNDS``): each round runs the body from the
+join of the entry and the back edge. Going round, pending micro-steps remember the iteration they
+came from, conditions the next iteration evaluates afresh are forgotten, and names rebound in the
+loop get a new version. A counted loop (``for i in range(n)``, ``enumerate``) gets an atom for its
+last iteration, so ``i == len(loader) - 1`` style boundaries are understood. ``LoopInfo`` is what a
+loop's syntax says; ``Loops`` is the part of ``syncflow.Flow`` that runs loops.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from synccheck.analyzer.project import events
+from synccheck.analyzer.project.flow_state import Frame, St, _merge_props, _same
+from synccheck.analyzer.project.guards import TRUE, exists
+from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.values import ONE_UNKNOWN
+from synccheck.analyzer.parse import dotted as _dotted
+
+MAX_LOOP_ROUNDS = 6
+
+
+class LoopInfo:
+    """What a loop's syntax says: its counter, the bound of a counted loop, the nodes inside it."""
+    __slots__ = ("node", "counter", "bound", "start", "ids", "id")
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.id = id(node)
+        self.counter = None
+        self.bound = None
+        self.start = 0
+        self.ids = {id(n) for n in ast.walk(node)}
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            target, it = node.target, node.iter
+            if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
+                if it.func.id == "enumerate" and it.args and isinstance(target, ast.Tuple) and target.elts \
+                        and isinstance(target.elts[0], ast.Name):
+                    self.counter = target.elts[0].id
+                    self.start = _int(it.args[1]) if len(it.args) > 1 else _int(
+                        next((k.value for k in it.keywords if k.arg == "start"), None)) or 0
+                    if self.start == 0:
+                        self.bound = ast.dump(ast.Call(ast.Name("len", ast.Load()), [it.args[0]], []))
+                elif it.func.id == "range" and isinstance(target, ast.Name):
+                    self.counter = target.id
+                    if len(it.args) == 1:
+                        self.bound = ast.dump(it.args[0])
+                    elif len(it.args) == 2 and _int(it.args[0]) == 0:
+                        self.bound = ast.dump(it.args[1])
+                    elif len(it.args) == 2:
+                        self.start = None          # range(k, n): counter does not start at 0
+                        self.bound = ast.dump(it.args[1])
+
+
+def _int(node) -> Optional[int]:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, int) else None
+
+
+class LoopCtx:
+    __slots__ = ("info", "breaks", "continues", "last")
+
+    def __init__(self, info: LoopInfo, last) -> None:
+        self.info = info
+        self.breaks: list = []
+        self.continues: list = []
+        self.last = last
+
+    @property
+    def counter(self):
+        return self.info.counter
+
+    @property
+    def bound(self):
+        return self.info.bound
+
+
+class Loops:
+    """Loops to a fixpoint, back edges, and loop atoms (a part of Flow)."""
+
+    # -- loops ---------------------------------------------------------------------------------------------
+    def loop_info(self, node) -> LoopInfo:
+        info = self.loop_infos.get(id(node))
+        if info is None:
+            info = self.loop_infos[id(node)] = LoopInfo(node)
+        return info
+
+    def last_atom(self, ctx: LoopCtx):
+        if ctx.last is None:
+            ctx.last = self.last_atoms.get(ctx.info.id)
+        if ctx.last is None:
+            text = f"the last iteration of `{_loop_head(ctx.info.node, self)}`"
+            ctx.last = self.atoms.get(("LAST", ctx.info.id), text)
+            if ctx.last is not None:
+                ctx.last.loop = ctx.info.id
+                self.last_atoms[ctx.info.id] = ctx.last
+                self.atom_info[ctx.last.index] = ((), False)
+        return ctx.last
+
+    def loop(self, s, st: St, fr: Frame):
+        info = self.loop_info(s)
+        is_for = not isinstance(s, ast.While)
+        if is_for:
+            self.expr(s.iter, st, fr)
+        counted = is_for and info.bound is not None and self.program.loop_runs_backward(s, fr)
+        ctx = LoopCtx(info, None)
+        last = self.last_atom(ctx) if counted else None
+        turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
+        if is_for and _steps_each(s):
+            self.optimizer_loops.add(info.id)
+        entry = St({p._replace(first=p.first | {info.id}): g for p, g in st.props.items()}, dict(st.env))
+        head = entry
+        end = None
+        for _ in range(MAX_LOOP_ROUNDS):
+            ctx.breaks, ctx.continues = [], []
+            fr.loops.append(ctx)
+            body_in = head.copy()
+            if is_for:
+                events.assign(self, s.target, EnvVal(((TRUE, turn),), version=id(s)), s, body_in, fr,
+                              version=id(s))
+            else:
+                true, _ = self.conds.cond(s.test, body_in, fr, self.program.relevant_branch(s, fr))
+                body_in = self.restrict(body_in, true)
+            self.loop_stack.append(info.id)
+            self.loop_owner[info.id] = (fr.module, len(self.call_stack))
+            out = self.block(s.body, body_in, fr)
+            self.loop_stack.pop()
+            fr.loops.pop()
+            end = self.join([out] + ctx.continues)
+            back = self.restrict(end.copy(), self.atoms.formula(last, False)) if (last is not None and end) else end
+            new_head = self.join([entry, self.back_edge(back, info)])
+            if _same(new_head, head):
+                break
+            head = new_head
+        exits = list(ctx.breaks)
+        if last is not None:
+            exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
+        elif is_for and end is not None and info.id in self.optimizer_loops:
+            exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
+        elif is_for:
+            exits.append(head)
+        else:
+            _, false = self.conds.cond(s.test, head.copy(), fr, self.program.relevant_branch(s, fr))
+            exits.append(self.restrict(head.copy(), false) if false else None)
+        out = self.join(exits)
+        if out is not None and s.orelse:
+            out = self.block(s.orelse, out, fr)
+        if out is not None:
+            out = St(_merge_props((p._replace(first=p.first - {info.id}), g) for p, g in out.props.items()), out.env)
+        return out
+
+    def back_edge(self, st: Optional[St], info: LoopInfo):
+        """Going round: tokens remember the micro-step they came from; conditions that the next
+        iteration evaluates afresh are forgotten; names rebound in the loop get a new version."""
+        if st is None or not st.props:
+            return None
+        forget = [a.index for a in self.atoms.atoms if self._loop_dependent(a, info)]
+        props: dict = {}
+        for prop, guard in st.props.items():
+            tokens = tuple(t._replace(frozen=guard) if t.frozen is None else t for t in prop.tokens)
+            g = guard
+            for k in forget:
+                g = exists(g, k)
+            key = prop._replace(tokens=tokens, first=prop.first - {info.id})
+            props[key] = props.get(key, 0) | (g & self.atoms.universe)
+        env = {}
+        for name, value in st.env.items():
+            if isinstance(value.version, int) and value.version in info.ids or name in self._rebound(info):
+                value = value._replace(version=("phi", info.id), cond=None,
+                                       alts=tuple((TRUE, v) for _, v in value.alts))
+            env[name] = value
+        return St(props, env)
+
+    def _rebound(self, info: LoopInfo) -> set:
+        key = ("rebound", info.id)
+        if key not in self.memo:
+            names = set()
+            for n in ast.walk(info.node):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    names.add(n.id)
+                elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                    dotted = _dotted(n)
+                    if dotted:
+                        names.add(dotted)
+            self.memo[key] = names
+        return self.memo[key]
+
+    def _loop_dependent(self, atom, info: LoopInfo) -> bool:
+        if atom.loop is not None:
+            return atom.loop == info.id or atom.loop in info.ids
+        versions, volatile = self.atom_info.get(atom.index, ((), True))
+        if volatile:
+            # tested afresh each time round the loops it is tested in; a test made once before an
+            # inner loop (``for opt in optimizers:``) holds all through that loop
+            loops = self.atom_loops.get(atom.index)
+            return loops is None or info.id in loops
+        for v in versions:
+            if v == ("phi", info.id) or (isinstance(v, int) and v in info.ids):
+                return True
+            if isinstance(v, tuple) and v and v[0] == "phi" and v[1] in info.ids:
+                return True
+        return False
+
+    def note_atom(self, atom, versions, volatile: bool) -> None:
+        if atom.index not in self.atom_info:
+            self.atom_info[atom.index] = (versions, volatile)
+        self.atom_loops.setdefault(atom.index, set()).update(self.loop_stack)
+
+    def counter_loop(self, counter_dump: str, fr: Frame):
+        for ctx in reversed(fr.loops):
+            if ctx.counter and counter_dump == ast.dump(ast.Name(ctx.counter, ast.Load())) and ctx.info.start is not None:
+                return ctx.info.id, ctx.info.start
+        return None
+
+
+def _loop_head(node, flow) -> str:
+    if isinstance(node, (ast.For, ast.AsyncFor)):
+        text = f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)}"
+    else:
+        text = f"while {ast.unparse(node.test)}"
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def _steps_each(loop) -> bool:
+    """``for opt in opts: opt.step()``: a loop over optimizers, which runs at least once."""
+    if not isinstance(loop.target, ast.Name):
+        return False
+    name = loop.target.id
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and
+               isinstance(n.func.value, ast.Name) and n.func.value.id == name
+               for stmt in loop.body for n in ast.walk(stmt))

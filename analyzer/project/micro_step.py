@@ -1,0 +1,227 @@
+"""Stage 6 of the pipeline (sync dataflow), events part 4: the micro-step's transfers.
+
+How each event changes the state's properties (state.py), guard by guard: a forward records whether
+DDP will all-reduce the next backward; a backward turns the pending forwards into a *token* (a
+micro-step's gradients, synced or not, and by what); an optimizer step resolves the tokens of the
+models it owns (a boundary), ``zero_grad`` wipes them, a sync flag write turns a model's sync on or
+off, and a collective that syncs gradients by hand marks them synchronized. Each writes its record
+(facts.py) for the rules.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.state import PLAIN, EnvVal, Forward, Token, sync_state, with_flag
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Inner, Obj, Optim, Wrapper, site_of
+
+
+# ---------------------------------------------------------------------------------------------------
+# transfers
+
+def _each(st, fn) -> None:
+    """Apply a property transfer to every (property, guard) of the state."""
+    out: dict = {}
+    for prop, guard in st.props.items():
+        for p2, g2 in fn(prop, guard):
+            if g2:
+                out[p2] = out.get(p2, 0) | g2
+    st.props = out
+
+
+def forward(flow, node, models: frozenset, args, kws, st, fr) -> EnvVal:
+    prov = models | _prov(*args, *kws.values())
+    if fr.no_grad:
+        return _val(ONE_UNKNOWN)
+    site = site_of(fr.module, node)
+    flow.records.node(site, fr.module, node)
+    managed = flow.program.managed_models()
+
+    def transfer(prop, guard):
+        forwards = [f for f in prop.forwards if f.model not in models]
+        for model in sorted(models, key=repr):
+            if model.kind == "deepspeed":
+                decided, by = "managed", None
+            else:
+                decided, by = sync_state(prop, model, managed)
+            forwards.append(Forward(model, decided, by, site))
+            flow.records.forward(site, model, decided, by, prop.first, guard)
+        yield prop._replace(forwards=tuple(forwards)), guard
+
+    _each(st, transfer)
+    return _val(ONE_UNKNOWN, prov, False)
+
+
+def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: frozenset = frozenset()) -> None:
+    flow.records.node(site_of(fr.module, node), fr.module, node)
+    site = flow.report_site(fr.module, node)
+    models = engines or flow.program.wrappers(loss.prov if loss is not None else frozenset())
+    report_module, report_node = flow.records.nodes[site]
+    flow.records.backward(site, report_module, report_node, via, loss, fr)
+    managed = flow.program.managed_models()
+
+    loops = tuple(flow.loop_stack)
+
+    def transfer(prop, guard):
+        pending = frozenset(f.model for f in prop.forwards)
+        # the models this backward runs through: those its loss came from whose forward ran on this
+        # path (``if distributed: model = DDP(model)`` makes it a DDP backward on that path only)
+        mine = (models & pending) if models else pending
+        if not mine:
+            mine = frozenset((PLAIN,))
+        tokens = list(prop.tokens)
+        forwards = list(prop.forwards)
+        # several models from one forward are alternatives (a helper called with a different DDP
+        # model by each script), not one loss through several models (a GAN's generator loss)
+        shared = len({f.site for f in forwards if f.model in mine}) > 1
+        for model in sorted(mine, key=repr):
+            old = next((t for t in tokens if t.model == model), None)
+            if old is not None:
+                flow.records.resolve(old, "superseded", site, guard)
+                tokens.remove(old)
+            fwd = next((f for f in forwards if f.model == model), None)
+            if fwd is not None:
+                forwards.remove(fwd)
+            if model == PLAIN:
+                tokens.append(Token(PLAIN, site, "plain", None, False, False, loops))
+                continue
+            now, now_by = sync_state(prop, model, managed)
+            if model.kind == "deepspeed":
+                synced, by = "managed", None
+            elif model.kind in vocab.FORWARD_DECIDES and fwd is not None:
+                synced, by = fwd.decided, fwd.by
+            else:
+                synced, by = now, now_by
+            misses = model.kind == "ddp" or model.kind in ("accelerate", "fabric")
+            misses = misses and fwd is not None and ((fwd.decided == "on" and now == "off") or fwd.flag_after is not None)
+            if misses:
+                flow.records.misses_forward(now_by if fwd.flag_after is None else fwd.flag_after, site, model,
+                                            "flag" if fwd.flag_after is not None else "control", guard)
+            outside = model.kind in vocab.FORWARD_DECIDES and fwd is not None and fwd.decided == "off" and now == "on"
+            tokens.append(Token(model, site, synced, by, outside, misses, loops, shared))
+        yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
+
+    _each(st, transfer)
+
+
+def _owned(flow, optims: frozenset) -> Optional[frozenset]:
+    """The models these optimizers step; None: unknown (they may step any)."""
+    if not optims:
+        return None
+    out = set()
+    for o in optims:
+        if isinstance(o, Wrapper):
+            out.add(o)
+            continue
+        if not isinstance(o, Optim):
+            return None
+        owners = flow.values.owners(o)
+        if not owners:
+            return None
+        out |= flow.program.models_of(owners)
+        if not out:
+            return None
+    return frozenset(out)
+
+
+def step(flow, node, optims: frozenset, st, fr) -> None:
+    site = site_of(fr.module, node)
+    flow.records.node(site, fr.module, node)
+    models = _owned(flow, frozenset(v for v in optims if isinstance(v, (Optim, Wrapper))))
+    # an optimizer accelerate prepared steps, inside ``accelerator.accumulate``, only when
+    # ``accelerator.sync_gradients`` holds: off the boundary the step is a no-op
+    managed = bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)
+    gate = _sync_gradients_atom(flow) if managed else None
+    # stepping each of several optimizers in a loop is one step, in the loops around that loop
+    loops = tuple(i for i in flow.loop_stack if i not in flow.optimizer_loops)
+
+    def transfer(prop, guard):
+        flow.records.reached(site, guard)
+        mine = [t for t in prop.tokens if models is None or t.model in models or t.model == PLAIN]
+        if gate is not None and any(t.synced == "managed" for t in mine):
+            branches = ((guard & flow.atoms.formula(gate, True), True), (guard & flow.atoms.formula(gate, False), False))
+        else:
+            branches = ((guard, True),)
+        for g, taken in branches:
+            if not g:
+                continue
+            kept = []
+            for token in prop.tokens:
+                if token in mine and (taken or token.synced != "managed"):
+                    # a step in a loop the backward is not in (a later training phase) is no boundary of it
+                    kind = "stepped" if loops == token.loops[:len(loops)] else "elsewhere"
+                    flow.records.resolve(token, kind, site, g)
+                else:
+                    kept.append(token)
+            yield prop._replace(tokens=tuple(kept)), g
+
+    _each(st, transfer)
+
+
+def _sync_gradients_atom(flow):
+    atom = flow.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
+    if atom is not None:
+        flow.note_atom(atom, (), True)
+    return atom
+
+
+def zero_grad(flow, node, vals: frozenset, st, fr) -> None:
+    if any(isinstance(v, Optim) and v.managed for v in vals) or \
+            any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
+        return
+    site = site_of(fr.module, node)
+    flow.records.node(site, fr.module, node)
+    flow.records.loops_at.setdefault(site, set()).update(flow.loop_stack)
+    optims = frozenset(v for v in vals if isinstance(v, Optim))
+    direct = flow.program.models_of(frozenset(v for v in vals if isinstance(v, (Wrapper, Obj, Inner))))
+    models = _owned(flow, optims) if optims else (direct or None)
+
+    def transfer(prop, guard):
+        kept = []
+        for token in prop.tokens:
+            if models is None or token.model in models or token.model == PLAIN:
+                flow.records.resolve(token, "wiped", site, guard)
+            else:
+                kept.append(token)
+        yield prop._replace(tokens=tuple(kept)), guard
+
+    _each(st, transfer)
+
+
+def flag(flow, node, models: frozenset, cond: tuple, st, fr) -> None:
+    if not models:
+        return
+    at_module, at_node = fr.control or (fr.module, node)
+    site = site_of(at_module, at_node)
+    flow.records.node(site, at_module, at_node)
+    true, false = cond
+
+    def transfer(prop, guard):
+        first = flow.first_mask(prop.first)
+        for value, formula in (("on", true), ("off", false)):
+            g = guard & formula & first
+            if g:
+                p = prop
+                for model in models:
+                    p = with_flag(p, model, value, site)
+                yield p, g
+
+    _each(st, transfer)
+
+
+def collective(flow, node, what: str, st, fr) -> None:
+    """A collective. One that syncs gradients (or averages parameters) by hand makes the pending
+    gradients synchronized, whatever DDP did for them."""
+    if what not in vocab.GRAD_SYNC:
+        return
+
+    def transfer(prop, guard):
+        tokens = tuple(t._replace(synced="manual") if t.synced in ("off", "unknown") else t for t in prop.tokens)
+        yield prop._replace(tokens=tokens), guard
+
+    _each(st, transfer)
+
+
+# The events stage's parts call one another: their names are imported last, once every part has
+# defined its own, so the parts may be imported in any order.
+from synccheck.analyzer.project.events import _prov, _val

@@ -1,0 +1,238 @@
+"""Stage 4 of the pipeline (project index), part 2: import and name resolution.
+
+``import x`` is resolved the way Python would find it on the file system, without importing anything:
+the importer's folder, the root its package hangs from, the folders being linted, the project root
+(and its ``src/``); relative imports from the importer's package. A module-level name resolves to a
+symbol (definitions.py) through imports, star imports and re-exports, with a visited set for cycles;
+a class's bases, method resolution order and subclasses are looked up the same way. ``Resolution`` is
+the part of ``index.Project`` that does this.
+"""
+from __future__ import annotations
+
+import ast
+import os
+from typing import Optional
+
+from synccheck.analyzer.project.definitions import Class, External, GlobalRef, Module, ModuleRef
+from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
+
+
+class Resolution:
+    """Module resolution on the file system, names to symbols, and class hierarchies (a part of Project)."""
+
+    # -- module resolution --------------------------------------------------------------------------
+    def find_module(self, importer: Module, name: str, level: int = 0) -> Optional[Module]:
+        """The indexed (or indexable) module ``import name`` means in ``importer``, or None."""
+        if not self.filesystem:
+            found = self.by_name.get(name) if not level else None
+            return found[0] if found else None
+        if level:
+            here = os.path.dirname(os.path.abspath(importer.path))
+            for _ in range(level - 1):
+                here = os.path.dirname(here)
+            return self._find_file(here, name.split(".") if name else [])
+        if not name or name.partition(".")[0] in FRAMEWORK_PACKAGES:
+            return None
+        key = (importer.path, name)
+        if key in self._find_cache:
+            path = self._find_cache[key]
+            return self._load(path) if path else None
+        found = None
+        for root in self._search_roots(importer):
+            found = self._find_path(root, name.split("."))
+            if found:
+                break
+        self._find_cache[key] = found
+        return self._load(found) if found else None
+
+    def _find_file(self, directory: str, parts: list) -> Optional[Module]:
+        path = self._find_path(directory, parts) if parts else _init_file(directory)
+        return self._load(path) if path else None
+
+    @staticmethod
+    def _find_path(root: str, parts: list) -> Optional[str]:
+        base = os.path.join(root, *parts)
+        if os.path.isfile(base + ".py"):
+            return os.path.abspath(base + ".py")
+        init = _init_file(base)
+        return init
+
+    def _search_roots(self, importer: Module) -> list:
+        """Where ``import x`` may find x: the importer's own folder (a script's folder is on sys.path),
+        the root its package hangs from, the folders being linted, and the project root (and its src/)."""
+        here = os.path.dirname(os.path.abspath(importer.path))
+        roots = [here]
+        depth = importer.name.count(".")
+        top = here
+        for _ in range(depth):
+            top = os.path.dirname(top)
+        if top not in roots:
+            roots.append(top)
+        for r in self.roots:
+            if r not in roots:
+                roots.append(r)
+        project = project_root(here)
+        if project:
+            for r in (project, os.path.join(project, "src")):
+                if r not in roots and os.path.isdir(r):
+                    roots.append(r)
+        return roots
+
+    # -- names ---------------------------------------------------------------------------------------
+    def resolve(self, module: Module, name: str, _seen: Optional[set] = None):
+        """The symbol a module-level name stands for: Function, Class, ModuleRef, GlobalRef, External or None."""
+        if _seen is None:
+            key = (module.path, name)
+            if key in self._resolved:
+                return self._resolved[key]
+            found = self._resolve(module, name, set())
+            self._resolved[key] = found
+            return found
+        return self._resolve(module, name, _seen)
+
+    def _resolve(self, module: Module, name: str, seen: set):
+        key = (module.path, name)
+        if key in seen:
+            return None
+        seen.add(key)
+        if name in module.top:
+            return module.top[name]
+        if name in module.imports:
+            mod, attr, level = module.imports[name]
+            if attr is None:
+                target = self.find_module(module, mod, level)
+                return ModuleRef(target) if target is not None else External(mod)
+            target = self.find_module(module, mod, level)
+            if target is not None:
+                found = self._resolve(target, attr, seen)
+                if found is not None:
+                    return found
+                sub = self.find_module(target, attr, 1) if os.path.basename(target.path) == "__init__.py" else None
+                if sub is not None:
+                    return ModuleRef(sub)
+                return None
+            if level:
+                return None
+            return External(f"{mod}.{attr}" if mod else attr)
+        if name in module.globals:
+            return GlobalRef(module, name)
+        for mod, level in module.stars:
+            target = self.find_module(module, mod, level)
+            if target is not None:
+                found = self._resolve(target, name, seen)
+                if found is not None:
+                    return found
+        return None
+
+    def attribute(self, symbol, attr: str):
+        """``symbol.attr`` for a module or class symbol."""
+        if isinstance(symbol, ModuleRef):
+            found = self.resolve(symbol.module, attr)
+            if found is None and os.path.basename(symbol.module.path) == "__init__.py":
+                sub = self.find_module(symbol.module, attr, 1)
+                return ModuleRef(sub) if sub is not None else None
+            return found
+        if isinstance(symbol, External):
+            return External(f"{symbol.qualname}.{attr}")
+        if isinstance(symbol, Class):
+            for klass in self.mro(symbol):
+                if attr in klass.methods:
+                    return klass.methods[attr]
+        return None
+
+    # -- classes ------------------------------------------------------------------------------------
+    def bases(self, klass: Class) -> list:
+        """The base classes of a class: project Classes and External names."""
+        if klass.bases is None:
+            klass.bases = []          # a class that derives from itself through an alias ends here
+            out = []
+            for base in klass.node.bases:
+                sym = self.resolve_expr(klass.module, base)
+                if sym is not None:
+                    out.append(sym)
+            klass.bases = out
+        return klass.bases
+
+    def resolve_expr(self, module: Module, expr):
+        """A module-level dotted expression (``a.b.C``) to a symbol."""
+        parts = []
+        while isinstance(expr, ast.Attribute):
+            parts.append(expr.attr)
+            expr = expr.value
+        if not isinstance(expr, ast.Name):
+            return None
+        sym = self.resolve(module, expr.id)
+        for attr in reversed(parts):
+            if sym is None:
+                return None
+            sym = self.attribute(sym, attr)
+        return sym
+
+    def mro(self, klass: Class) -> list:
+        """The class and its project base classes, depth first (cycles cut)."""
+        if klass.mro is None:
+            klass.mro = self._mro(klass)
+        return klass.mro
+
+    def _mro(self, klass: Class) -> list:
+        out, todo, seen = [], [klass], set()
+        while todo:
+            k = todo.pop(0)
+            if k.uid in seen:
+                continue
+            seen.add(k.uid)
+            out.append(k)
+            todo.extend(b for b in self.bases(k) if isinstance(b, Class))
+        return out
+
+    def external_bases(self, klass: Class) -> list:
+        """Qualified names of the external classes somewhere above ``klass``."""
+        return [b.qualname for k in self.mro(klass) for b in self.bases(k) if isinstance(b, External)]
+
+    def subclasses(self, klass: Class) -> list:
+        """Indexed classes that derive from ``klass`` (itself included)."""
+        self.importers(klass.module, (klass.node.name,))
+        if self._classes_by_base is None:
+            # resolving a base may load a module (which resets the table): build it aside
+            table: dict = {}
+            for module in list(self.by_path.values()):
+                for k in list(module.classes.values()):
+                    for base in self.bases(k):
+                        if isinstance(base, Class):
+                            table.setdefault(base.uid, []).append(k)
+            self._classes_by_base = table
+        out, todo, seen = [], [klass], set()
+        while todo:
+            k = todo.pop()
+            if k.uid in seen:
+                continue
+            seen.add(k.uid)
+            out.append(k)
+            todo.extend(self._classes_by_base.get(k.uid, ()))
+        return out
+
+
+def _init_file(directory: str) -> Optional[str]:
+    init = os.path.join(directory, "__init__.py")
+    return os.path.abspath(init) if os.path.isfile(init) else None
+
+
+_ROOT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+_root_cache: dict = {}
+
+
+def project_root(directory: str) -> Optional[str]:
+    """The nearest folder at or above ``directory`` that looks like a project root."""
+    if directory in _root_cache:
+        return _root_cache[directory]
+    d, found = directory, None
+    for _ in range(12):
+        if any(os.path.exists(os.path.join(d, m)) for m in _ROOT_MARKERS):
+            found = d
+            break
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    _root_cache[directory] = found
+    return found

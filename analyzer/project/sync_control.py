@@ -1,0 +1,175 @@
+"""Stage 6 of the pipeline (sync dataflow), events part 5: sync controls and ``with`` statements.
+
+A ``with`` enters its items in order: ``no_sync()`` / ``accumulate()`` / ``no_backward_sync()``
+contexts are pushed as sync controls for the body and popped after it; ``torch.no_grad()`` bodies run
+no forward that matters; a project ``@contextmanager`` helper runs its generator around the body (the
+rest of the ``with`` runs at its ``yield``); an ``ExitStack`` owns what ``enter_context`` pushed until
+its ``with`` ends. A context the analysis cannot see into, in a project that turns sync off somewhere,
+makes the micro-step's verdict unknown rather than wrong.
+"""
+from __future__ import annotations
+
+import ast
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.state import Control, EnvVal
+from synccheck.analyzer.project.values import Ext, Obj, Unknown, site_of
+
+
+HARMLESS_CONTEXTS = ("torch.", "contextlib.", "nullcontext", "open", "tqdm", "warnings.", "autocast", "record_function",
+                     "profile", "Timer", "timer", "amp.", "accelerate.", "main_process_first", "local_main_process_first",
+                     "logging", "wandb", "mlflow", "tempfile", "zipfile", "tarfile", "sdpa_kernel", "sdp_kernel")
+
+
+def push_controls(flow, node, value: EnvVal, st, fr, owner: int) -> None:
+    site = site_of(fr.module, node)
+    flow.records.node(site, fr.module, node)
+
+    def transfer(prop, guard):
+        first = flow.first_mask(prop.first)
+        for formula, vals in value.alts:
+            g = guard & formula & first
+            if not g:
+                continue
+            ctxs = [v for v in vals if isinstance(v, FlowCtx) and v.effect in ("off", "managed", "unknown")]
+            others = [v for v in vals if not (isinstance(v, FlowCtx) and v.effect in ("off", "managed", "unknown"))]
+            if others or not ctxs:
+                yield prop, g
+            for c in ctxs:
+                control = Control(c.models, c.effect, site, owner, c.how)
+                if c.enabled is None:
+                    yield prop._replace(controls=prop.controls + (control,)), g
+                else:
+                    on, off = c.enabled
+                    if g & on:
+                        yield prop._replace(controls=prop.controls + (control,)), g & on
+                    if g & off:
+                        yield prop, g & off
+
+    _each(st, transfer)
+
+
+def pop_controls(st, owner: int) -> None:
+    if st is None:
+        return
+
+    def transfer(prop, guard):
+        if any(c.owner == owner for c in prop.controls):
+            prop = prop._replace(controls=tuple(c for c in prop.controls if c.owner != owner))
+        yield prop, guard
+
+    _each(st, transfer)
+
+
+# ---------------------------------------------------------------------------------------------------
+# with
+
+def with_(flow, s, st, fr):
+    owner = id(s)
+    out = _enter(flow, s, 0, st, fr, owner)
+    pop_controls(out, owner)
+    return out
+
+
+def _enter(flow, s, i: int, st, fr, owner: int):
+    if st is None or not st.props:
+        return None
+    if i == len(s.items):
+        return flow.block(s.body, st, fr)
+    item = s.items[i]
+    value = expr(flow, item.context_expr, st, fr)
+    vals = value.values
+    if item.optional_vars is not None:
+        bound = value
+        ctx = item.context_expr
+        if isinstance(ctx, ast.Call) and ctx.args and _name(ctx.func) == "scale_loss":
+            # apex's ``with amp.scale_loss(loss, optimizer) as scaled_loss``: the loss times the fp16
+            # loss scale, which the step undoes; for accumulation it is still ``loss``
+            bound = expr(flow, ctx.args[0], st, fr)
+        assign(flow, item.optional_vars, bound, s, st, fr)
+    if any(isinstance(v, FlowCtx) and v.effect == "nograd" for v in vals) or _is_no_grad_call(flow, item, fr):
+        fr.no_grad += 1
+        try:
+            return _enter(flow, s, i + 1, st, fr, owner)
+        finally:
+            fr.no_grad -= 1
+    for v in vals:
+        if isinstance(v, FlowCtx) and v.effect == "exitstack":
+            flow.exitstacks[v.site] = owner
+    helpers = [v for v in vals if isinstance(v, FlowHelper)]
+    if helpers:
+        outs = []
+        for h in helpers:
+            outs.append(_run_helper(flow, s, i, h, st.copy(), fr, owner))
+        return flow.join(outs)
+    if not any(isinstance(v, FlowCtx) for v in vals) and _opaque_context(flow, item.context_expr, vals, fr):
+        value = _val(frozenset((FlowCtx("unknown", frozenset(), site_of(fr.module, item.context_expr),
+                                        _text(fr, item.context_expr)),)))
+    push_controls(flow, item.context_expr, value, st, fr, owner)
+    return _enter(flow, s, i + 1, st, fr, owner)
+
+
+def _run_helper(flow, s, i, helper: FlowHelper, st, fr, owner: int):
+    """``with helper(...):`` for a project @contextmanager: the generator runs, and at its ``yield`` the
+    rest of the with statement (further items, then the body) runs in the caller."""
+    fn, receiver, args, kws, node = flow.helpers[helper.key]
+    caller_env = st.env
+    envs: list = []
+    from synccheck.analyzer.project.syncflow import St
+
+    def at_yield(inner):
+        body = _enter(flow, s, i + 1, St(inner.props, dict(caller_env)), fr, owner)
+        if body is None:
+            return None
+        envs.append(body.env)
+        return St(body.props, inner.env)
+
+    if fn.uid in fr.stack or fr.depth >= 8:
+        return _enter(flow, s, i + 1, st, fr, owner)
+    result_st = St(dict(st.props), caller_env)
+    inline(flow, fn, node, receiver, args, kws, result_st, fr, yield_handler=at_yield,
+           control=(fr.module, node))
+    if not envs:
+        return None if not result_st.props else St(result_st.props, caller_env)
+    env = envs[0]
+    return St(result_st.props, env)
+
+
+def _is_no_grad_call(flow, item, fr) -> bool:
+    node = item.context_expr
+    if isinstance(node, ast.Call):
+        func = node.func
+        vals = flow.values.expr(func, fr.scope)
+        for v in vals:
+            if isinstance(v, Ext) and v.qualname in vocab.NO_GRAD:
+                return True
+        if isinstance(func, ast.Attribute) and func.attr in ("no_grad", "inference_mode"):
+            return True
+        if isinstance(func, ast.Attribute) and func.attr == "set_grad_enabled" and node.args and \
+                isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
+            return True
+    return False
+
+
+def _opaque_context(flow, node, vals, fr) -> bool:
+    """A context we cannot see into, in a project that turns sync off somewhere: it may hide a no_sync
+    (we then give the micro-step no verdict rather than a wrong one)."""
+    if not flow.program.mentions_no_sync:
+        return False
+    func = node.func if isinstance(node, ast.Call) else node
+    text = _text(fr, func)
+    qual = next((v.qualname for v in flow.values.expr(func, fr.scope) if isinstance(v, Ext)), text)
+    if any(qual.startswith(h) or h in text for h in HARMLESS_CONTEXTS):
+        return False
+    if isinstance(func, ast.Attribute) and func.attr in ("autocast", "no_grad", "profile", "timer", "record_function",
+                                                         "inference_mode", "main_process_first", "join"):
+        return False
+    return any(isinstance(v, (Obj, Unknown, Ext)) for v in vals)
+
+
+# The events stage's parts call one another: their names are imported last, once every part has
+# defined its own, so the parts may be imported in any order.
+from synccheck.analyzer.project.events import FlowCtx, FlowHelper, _text, _val, assign, expr
+from synccheck.analyzer.project.event_calls import inline
+from synccheck.analyzer.project.event_methods import _name
+from synccheck.analyzer.project.micro_step import _each

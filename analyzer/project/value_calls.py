@@ -1,0 +1,250 @@
+"""Stage 5 of the pipeline (values), part 5: what calls make.
+
+A call's value: constructors of wrappers, optimizers, Accelerator / Fabric, scalers, samplers and
+loaders (each identified by its *site*, with what it wraps or owns recorded there), methods whose
+meaning depends on the receiver (``accelerator.prepare``, ``fabric.setup``, ``model.no_sync()``),
+project functions' returns, and the relations looked up from sites later (what a wrapper wraps, which
+models an optimizer owns, which models a sync context names). ``CallValues`` is the part of
+``values.Values`` that does this.
+"""
+from __future__ import annotations
+
+import ast
+from typing import Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.definitions import Function, qualified_name
+from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _named, _parameter_sources,
+                                                      _single_device, _strings, _text, _truthy)
+from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bound, Cls, Const, Ctx,
+                                                    CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
+                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
+                                                    site_of)
+
+
+class CallValues:
+    """What calls make, and what a site's wrapper wraps or optimizer owns (a part of Values)."""
+
+    # -- calls ---------------------------------------------------------------------------------------
+    def call(self, call: ast.Call, scope) -> frozenset:
+        module = self.module_of(scope)
+        func = call.func
+        receiver = None
+        if isinstance(func, ast.Attribute):
+            receiver = self.expr(func.value, scope)
+            special = self._method(call, func.attr, receiver, scope, module)
+            if special is not None:
+                return special
+        out = set()
+        callees = self.expr(func, scope)
+        if callees == {Ext("int")} and len(call.args) == 1 and not call.keywords:
+            # ``int(config["batch_size"])``: a number we know stays known
+            return frozenset(Const(int(v.value)) if isinstance(v, Const) and isinstance(v.value, (int, bool))
+                             and v.value is not None else UNKNOWN for v in self.expr(call.args[0], scope))
+        if callees == {Ext("getattr")} and len(call.args) >= 2:
+            # ``getattr(self, "model" if encoder_only else "encoder")``
+            names = _strings(call.args[1], self.info(scope))
+            if names:
+                receivers = self.expr(call.args[0], scope)
+                for name in names:
+                    out |= self.attribute(receivers, name, call, scope)
+                return frozenset(out) or ONE_UNKNOWN
+        for callee in callees:
+            out |= self._call_value(callee, call, scope, module)
+        return frozenset(out) or ONE_UNKNOWN
+
+    def _method(self, call, attr: str, receiver: frozenset, scope, module) -> Optional[frozenset]:
+        """Methods whose meaning depends on what they are called on."""
+        site = site_of(module, call)
+        kinds = {v.kind for v in receiver if isinstance(v, Framework)}
+        if "accelerate" in kinds:
+            if attr in ("prepare", "prepare_model", "prepare_optimizer", "prepare_data_loader", "prepare_scheduler"):
+                return self._prepare(call, attr, scope, module)
+            if attr in ("accumulate", "no_sync"):
+                self.sites[site] = (call.args[0] if call.args else None, scope)
+                return frozenset((Ctx("managed" if attr == "accumulate" else "off", site,
+                                      _text(module, call)),))
+            if attr == "unwrap_model" and call.args:
+                return self._unwrap(self.expr(call.args[0], scope))
+        if "fabric" in kinds:
+            if attr in ("setup", "setup_module", "setup_optimizers"):
+                return self._fabric_setup(call, attr, receiver, scope, module)
+            if attr == "no_backward_sync":
+                self.sites[site] = (call.args[0] if call.args else None, scope)
+                return frozenset((Ctx("off", site, _text(module, call)),))
+        if attr == "no_sync" and not call.args:
+            self.sites[site] = (call.func.value, scope)
+            return frozenset((Ctx("off", site, _text(module, call)),))
+        if attr in vocab.SELF_RETURNING and any(isinstance(v, (Wrapper, Inner, Obj)) for v in receiver):
+            return frozenset(v for v in receiver if isinstance(v, (Wrapper, Inner, Obj))) | ONE_UNKNOWN
+        if attr == "accumulate" and any(isinstance(v, Accumulator) for v in receiver):
+            return frozenset((Ctx("accumulator", site, _text(module, call)),))
+        if attr == "enter_context":
+            return self.expr(call.args[0], scope) if call.args else ONE_UNKNOWN
+        return None
+
+    def _call_value(self, callee, call: ast.Call, scope, module) -> frozenset:
+        site = site_of(module, call)
+        if isinstance(callee, Ext):
+            return self._external_call(callee.qualname, call, scope, module, site)
+        if isinstance(callee, (Func, Bound)):
+            if callee.fn.contextmanager:
+                return frozenset((Ctx("helper", site, _text(module, call)),))
+            return self.returns(callee.fn)
+        if isinstance(callee, Cls):
+            qual = qualified_name(callee.cls)
+            ext = self.project.external_bases(callee.cls)
+            # a project class deriving from a wrapper or an optimizer is one (its own code is read
+            # where it matters: a project's NativeScaler copy is analysed, not assumed)
+            for base in ext + [qual]:
+                kind = vocab.wrapper_kind(base)
+                if kind:
+                    self.sites[site] = (call.args[0] if call.args else None, scope)
+                    return frozenset((Wrapper(kind, site),))
+                if vocab.is_optimizer_class(base) and base.startswith("torch.optim"):
+                    self.sites[site] = (call.args[0] if call.args else None, scope)
+                    return frozenset((Optim(site),))
+            return frozenset((Inst(callee.cls),))
+        if isinstance(callee, Inst):
+            method = self.project.attribute(callee.cls, "__call__")
+            return self.returns(method) if isinstance(method, Function) else ONE_UNKNOWN
+        if isinstance(callee, CtxFactory):
+            return frozenset((Ctx(callee.effect, callee.site, callee.how + "()"),))
+        if isinstance(callee, Partial):
+            return ONE_UNKNOWN
+        return frozenset((Obj(site),))
+
+    def _external_call(self, qual: str, call: ast.Call, scope, module, site) -> frozenset:
+        kind = vocab.wrapper_kind(qual)
+        last = vocab.tail(qual)
+        if kind == "deepspeed":
+            return frozenset((Tup((frozenset((Wrapper("deepspeed", site),)), frozenset((Optim(site, True),)),
+                                   ONE_UNKNOWN, ONE_UNKNOWN)),))
+        if kind:
+            self.sites[site] = (_first_arg(call, "module"), scope)
+            static = any(kw.arg == "static_graph" and _truthy(kw.value) for kw in call.keywords)
+            return frozenset((Wrapper(kind, site, static),))
+        if qual in vocab.ACCELERATOR:
+            return frozenset((Framework("accelerate", site, _accumulates(call)),))
+        if qual in vocab.FABRIC:
+            return frozenset((Framework("fabric", site, "no", _single_device(call)),))
+        if last in vocab.SCALER_TAILS:
+            return frozenset((Scaler(site),))
+        if last in vocab.NATIVE_SCALER_TAILS:
+            return frozenset((NativeScaler(site),))
+        if last in vocab.SAMPLER_TAILS:
+            shuffle = next((kw.value for kw in call.keywords if kw.arg == "shuffle"), None)
+            return frozenset((Sampler(site, isinstance(shuffle, ast.Constant) and shuffle.value is False),))
+        if last in vocab.LOADER_TAILS:
+            self.sites[site] = (call, scope)
+            return frozenset((Loader(site),))
+        if last in ("nullcontext", "suppress") and qual.startswith("contextlib"):
+            return frozenset((Ctx("null", site),))
+        if last == "ExitStack":
+            return frozenset((Ctx("exitstack", site),))
+        if qual in ("functools.partial", "partial"):
+            self.sites[site] = (call, scope)
+            return frozenset((Partial(site),))
+        if qual in ("torch.compile", "torch.jit.script", "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
+                    "copy.deepcopy") and call.args:
+            return self.expr(call.args[0], scope)
+        if qual == "getattr" and len(call.args) >= 2:
+            base = self.expr(call.args[0], scope)
+            out = set(self.expr(call.args[2], scope)) if len(call.args) > 2 else set()
+            if isinstance(call.args[1], ast.Constant) and call.args[1].value == "module":
+                out |= self._unwrap(base)
+            return frozenset(out) or ONE_UNKNOWN
+        if last in vocab.ACCUMULATOR and (qual.startswith("synccheck") or qual == last):
+            self.sites[site] = (call.args[0] if call.args else None, scope)
+            return frozenset((Accumulator(site),))
+        if last in vocab.LOCAL_SGD:
+            self.sites[site] = (call.args[0] if call.args else None, scope)
+            return frozenset((LocalSGD(site),))
+        if vocab.is_optimizer_class(qual) and qual != "Optimizer":
+            self.sites[site] = (call.args[0] if call.args else _kw(call, "params"), scope)
+            return frozenset((Optim(site),))
+        if last in vocab.OPTIMIZER_FACTORIES:
+            self.sites[site] = (call.args[1] if len(call.args) > 1 else call.args[0] if call.args else None, scope)
+            return frozenset((Optim(site),))
+        return frozenset((Obj(site),))
+
+    def _prepare(self, call, attr: str, scope, module) -> frozenset:
+        items = []
+        for i, arg in enumerate(call.args):
+            values = self.expr(arg, scope)
+            site = site_of(module, call, i)
+            if attr == "prepare_optimizer" or any(isinstance(v, Optim) for v in values) or \
+                    _named(arg, ("optim", "opt")):
+                self.sites[site] = self.sites.get(next((v.site for v in values if isinstance(v, Optim)), None),
+                                                  (None, scope))
+                items.append(frozenset((Optim(site, True),)))
+            elif attr in ("prepare_data_loader",) or any(isinstance(v, Loader) for v in values) or \
+                    _named(arg, ("loader", "dataloader", "data")):
+                items.append(frozenset(v for v in values if isinstance(v, Loader)) or ONE_UNKNOWN)
+            elif attr == "prepare_scheduler" or _named(arg, ("sched",)):
+                items.append(ONE_UNKNOWN)
+            else:
+                self.sites[site] = (arg, scope)
+                items.append(frozenset((Wrapper("accelerate", site),)))
+        if len(items) == 1:
+            return items[0]
+        return frozenset((Tup(tuple(items)),))
+
+    def _fabric_setup(self, call, attr: str, receiver, scope, module) -> frozenset:
+        single = any(isinstance(v, Framework) and v.single for v in receiver)
+        items = []
+        for i, arg in enumerate(call.args):
+            site = site_of(module, call, i)
+            if attr == "setup_optimizers" or (attr == "setup" and i > 0):
+                self.sites[site] = (None, scope)
+                items.append(frozenset((Optim(site),)))
+            else:
+                self.sites[site] = (arg, scope)
+                items.append(frozenset((Wrapper("fabric", site, single=single),)))
+        return items[0] if len(items) == 1 else frozenset((Tup(tuple(items)),))
+
+    def _unwrap(self, values: frozenset) -> frozenset:
+        out = set()
+        for v in values:
+            out.add(Inner(v) if isinstance(v, Wrapper) else v)
+        return frozenset(out)
+
+    def returns(self, fn: Function) -> frozenset:
+        return self._memoized(("returns", fn.uid), lambda: self._returns(fn))
+
+    def _returns(self, fn: Function) -> frozenset:
+        info = self.info(fn)
+        if not info.returns:
+            return frozenset((Const(None),))
+        out = set()
+        for value in info.returns:
+            out |= self.expr(value, fn)
+        return frozenset(out)
+
+    # -- relations looked up from sites --------------------------------------------------------------
+    def wrapped_by(self, wrapper: Wrapper) -> frozenset:
+        """The values a wrapper was built around (``DDP(model)`` -> what ``model`` holds)."""
+        arg, scope = self.sites.get(wrapper.site, (None, None))
+        if arg is None:
+            return EMPTY
+        return frozenset(v for v in self.expr(arg, scope) if not isinstance(v, Wrapper))
+
+    def owners(self, optim: Optim) -> frozenset:
+        """The models whose parameters an optimizer holds; empty when unknown."""
+        return self._memoized(("owners", optim.site), lambda: self._owners(optim))
+
+    def _owners(self, optim: Optim) -> frozenset:
+        arg, scope = self.sites.get(optim.site, (None, None))
+        if arg is None:
+            return EMPTY
+        out = set()
+        for node in _parameter_sources(arg, scope, self):
+            out |= self.expr(node, scope)
+        return frozenset(v for v in out if isinstance(v, (Wrapper, Obj, Inner, Inst)))
+
+    def context_models(self, ctx) -> frozenset:
+        """The models a sync context (or factory) names."""
+        arg, scope = self.sites.get(ctx.site, (None, None))
+        if arg is None:
+            return EMPTY
+        return self.expr(arg, scope)

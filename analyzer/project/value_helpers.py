@@ -1,0 +1,263 @@
+"""Stage 5 of the pipeline (values), part 2: the syntax the value analysis reads.
+
+Plain functions over the ``ast``: the call sites of a name found from the text first (``CALL_WORD``,
+``_call_lines``, ``_calls_named``), call arguments matched to parameters (``_argument``,
+``parameter_default``), the options a constructor was given (``Accelerator(gradient_accumulation_steps=...)``,
+``Fabric(devices=1)``), ``self.attr = value`` stores of a class, the receivers of ``.parameters()`` an
+optimizer was built from, and integer arithmetic on known constants.
+"""
+from __future__ import annotations
+
+import ast
+import bisect
+import re
+from typing import TYPE_CHECKING
+
+from synccheck.analyzer.project.definitions import Class, External, Function, Module, ModuleRef
+from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Cls, Const, Ext, Mod, _cap
+
+if TYPE_CHECKING:
+    from synccheck.analyzer.project.values import Values
+
+# ``obj.attr = value`` (or ``a.b.attr = value``) where obj is not ``self``: a store from outside a class
+_OUTSIDE_STORE = re.compile(r"(?<![\w.])(?!self\.\w+[ \t]*=)[A-Za-z_]\w*(?:\.\w+)+[ \t]*(?:=(?!=)|,)")
+
+
+def _calls_named(module: Module, name: str, lines: list) -> list:
+    """The calls of ``name`` in a module, with the scope (function or module) each is in: a walk that
+    enters only the nodes that span one of ``lines`` (where the text says ``name(``), so a big
+    module costs what its matches cost."""
+    scopes = {id(fn.node): fn for fn in module.functions.values()}
+    out = []
+    stack = [(module.tree, module)]
+    while stack:
+        node, scope = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            first = getattr(child, "lineno", None)
+            if first is not None:
+                decorators = getattr(child, "decorator_list", None)
+                if decorators:
+                    first = min(first, min(d.lineno for d in decorators))
+                i = bisect.bisect_left(lines, first)
+                if i == len(lines) or lines[i] > child.end_lineno:
+                    continue
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                stack.append((child, scopes.get(id(child), scope)))
+                continue
+            if isinstance(child, ast.Call):
+                func = child.func
+                key = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+                if key == name:
+                    out.append((scope, child))
+            stack.append((child, scope))
+    out.reverse()
+    return out
+
+
+# ``name(`` in source text: a call of name (or its def), found without a parse
+CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
+
+
+def _call_lines(module: Module) -> dict:
+    """name -> sorted line numbers where the module's text says ``name(``: one scan of the text."""
+    table = getattr(module, "_call_lines", None)
+    if table is None:
+        text = module.text
+        starts = [0]
+        find = text.find
+        i = find("\n")
+        while i != -1:
+            starts.append(i + 1)
+            i = find("\n", i + 1)
+        table = {}
+        line, nxt = 1, (starts[1] if len(starts) > 1 else len(text) + 1)
+        for m in CALL_WORD.finditer(text):
+            at = m.start()
+            if at >= nxt:
+                line = bisect.bisect_right(starts, at)
+                nxt = starts[line] if line < len(starts) else len(text) + 1
+            bucket = table.setdefault(m.group(1), [])
+            if not bucket or bucket[-1] != line:
+                bucket.append(line)
+        module._call_lines = table
+    return table
+
+
+def _strings(node, info, depth: int = 0) -> list:
+    """The string constants an expression can be: a literal, a conditional of literals, or a local
+    name bound only to those."""
+    if isinstance(node, ast.Constant):
+        return [node.value] if isinstance(node.value, str) else []
+    if isinstance(node, ast.IfExp):
+        body, orelse = _strings(node.body, info, depth), _strings(node.orelse, info, depth)
+        return body + orelse if body and orelse else []
+    if isinstance(node, ast.Name) and depth < 3 and node.id in info.assigns and node.id not in info.for_names:
+        out = []
+        for value, path in info.assigns[node.id]:
+            found = _strings(value, info, depth + 1) if not path else []
+            if not found:
+                return []
+            out.extend(found)
+        return out
+    return []
+
+
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+               ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a % b}
+
+
+def _arithmetic(op, left: frozenset, right: frozenset) -> frozenset:
+    """Integer arithmetic on constants we know (``batch_size // MAX_GPU_BATCH_SIZE``), else unknown."""
+    fn = _ARITHMETIC.get(type(op))
+    out = set()
+    for a in left:
+        for b in right:
+            if fn is None or not (isinstance(a, Const) and isinstance(b, Const)) or \
+                    type(a.value) is not int or type(b.value) is not int or abs(a.value) > 1 << 32 or \
+                    abs(b.value) > 1 << 32:
+                return ONE_UNKNOWN
+            try:
+                out.add(Const(fn(a.value, b.value)))
+            except ZeroDivisionError:
+                return ONE_UNKNOWN
+    return _cap(out) if out and len(out) <= 8 else ONE_UNKNOWN
+
+
+def _reaching(assigns, reach) -> list:
+    """The bindings a use can see (``ScopeInfo.reaching``): all of them when ``reach`` is None."""
+    if reach is None:
+        return list(assigns)
+    return [assigns[i] for i in reach[0]]
+
+
+def _mentions(node, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _class_attrs(values: "Values", klass: Class) -> dict:
+    """attr -> [(scope, value, unpack path)] for ``self.attr = value`` in the class's methods and
+    ``attr = value`` in its body, indexed once per class."""
+    if klass.attrs is None:
+        table: dict = {}
+        for method in klass.methods.values():
+            for attr, items in values.info(method).self_attrs.items():
+                table.setdefault(attr, []).extend((method, value, path) for value, path in items)
+        for stmt in klass.node.body:
+            if isinstance(stmt, ast.Assign):
+                for t in stmt.targets:
+                    if isinstance(t, ast.Name):
+                        table.setdefault(t.id, []).append((klass.module, stmt.value, ()))
+        klass.attrs = table
+    return klass.attrs
+
+
+def _symbol_of(v):
+    if isinstance(v, Mod):
+        return ModuleRef(v.module)
+    if isinstance(v, Ext):
+        return External(v.qualname)
+    if isinstance(v, Cls):
+        return v.cls
+    return None
+
+
+def _deco(node) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+def parameter_default(node, name: str):
+    """The default expression of parameter ``name`` of a function node, or None."""
+    args = node.args
+    positional = args.posonlyargs + args.args
+    offset = len(positional) - len(args.defaults)
+    for i, a in enumerate(positional):
+        if a.arg == name:
+            return args.defaults[i - offset] if i >= offset else None
+    for a, d in zip(args.kwonlyargs, args.kw_defaults):
+        if a.arg == name:
+            return d
+    return None
+
+
+def _argument(call: ast.Call, fn: Function, name: str, index: int, shift: int):
+    for kw in call.keywords:
+        if kw.arg == name:
+            return kw.value
+    position = index - shift
+    positional = []
+    for a in call.args:
+        if isinstance(a, ast.Starred):
+            return None
+        positional.append(a)
+    if 0 <= position < len(positional) and name not in [a.arg for a in fn.node.args.kwonlyargs]:
+        return positional[position]
+    return None
+
+
+def _first_arg(call: ast.Call, keyword: str):
+    if call.args and not isinstance(call.args[0], ast.Starred):
+        return call.args[0]
+    return _kw(call, keyword)
+
+
+def _kw(call: ast.Call, keyword: str):
+    return next((kw.value for kw in call.keywords if kw.arg == keyword), None)
+
+
+def _truthy(node) -> bool:
+    return not (isinstance(node, ast.Constant) and node.value in (False, None, 0))
+
+
+def _accumulates(call: ast.Call) -> str:
+    names = {kw.arg for kw in call.keywords}
+    if "gradient_accumulation_steps" in names or "gradient_accumulation_plugin" in names:
+        steps = _kw(call, "gradient_accumulation_steps")
+        if isinstance(steps, ast.Constant) and steps.value == 1:
+            return "no"
+        return "yes"
+    if None in names or any(isinstance(a, ast.Starred) for a in call.args):
+        return "unknown"       # Accelerator(**kwargs)
+    return "no"
+
+
+def _single_device(call: ast.Call) -> bool:
+    devices = _kw(call, "devices")
+    strategy = _kw(call, "strategy")
+    if isinstance(devices, ast.Constant) and devices.value == 1:
+        return True
+    if isinstance(strategy, ast.Constant) and strategy.value in ("single_device", "dp"):
+        return True
+    accelerator = _kw(call, "accelerator")
+    return devices is None and isinstance(accelerator, ast.Constant) and accelerator.value == "cpu"
+
+
+def _named(node, words: tuple) -> bool:
+    """Does the name (or the called function's name: ``build_optimizer(model)``) say what it is?"""
+    if isinstance(node, ast.Call):
+        node = node.func
+    text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    text = text.lower()
+    return any(w in text for w in words)
+
+
+def _text(module: Module, node) -> str:
+    return module.segment(node)
+
+
+def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:
+    """The receivers of ``.parameters()`` / ``.named_parameters()`` in an optimizer's first argument,
+    following a local name to its assignments once or twice (``params = model.parameters()``)."""
+    out = []
+    for node in ast.walk(arg):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("parameters", "named_parameters"):
+            receiver = node.func.value
+            if isinstance(receiver, ast.Attribute) and receiver.attr == "module":
+                receiver = receiver.value
+            out.append(receiver)
+        elif isinstance(node, ast.Name) and depth < 2 and isinstance(scope, Function):
+            for value, _ in values.info(scope).assigns.get(node.id, ()):
+                out.extend(_parameter_sources(value, scope, values, depth + 1))
+    return out

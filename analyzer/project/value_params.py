@@ -1,0 +1,122 @@
+"""Stage 5 of the pipeline (values), part 4: parameters and their callers.
+
+A parameter holds what its annotation says (``model: DDP``), its default, and the arguments of every
+call site in the project that may call the function (found by name in the text first, then checked
+by what the callee expression holds), a few levels of callers deep. ``self`` of a method is an
+instance of its class or of a subclass. ``ParameterValues`` is the part of ``values.Values`` that
+does this.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.definitions import Function, qualified_name
+from synccheck.analyzer.project.value_helpers import _argument, _call_lines, _calls_named, _deco, parameter_default
+from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
+                                                    Inst, Obj, Wrapper, site_of)
+
+
+class ParameterValues:
+    """What a function's parameters hold, from its callers (a part of Values)."""
+
+    # -- parameters ----------------------------------------------------------------------------------
+    def parameter(self, fn: Function, name: str) -> frozenset:
+        return self._memoized(("param", fn.uid, name), lambda: self._parameter(fn, name))
+
+    def _param_depth(self) -> int:
+        return sum(1 for k in self._busy if k[0] == "param")
+
+    def _parameter(self, fn: Function, name: str) -> frozenset:
+        index = fn.params.index(name)
+        node = fn.node
+        if fn.is_method and index == 0:
+            if any(_deco(d) == "classmethod" for d in node.decorator_list):
+                return frozenset(Cls(k) for k in self.project.subclasses(fn.cls))
+            return frozenset(Inst(k) for k in self.project.subclasses(fn.cls))
+        out = set()
+        annotation = self._annotation(fn, name)
+        if annotation:
+            out |= annotation
+        default = parameter_default(node, name)
+        if default is not None:
+            out |= self.expr(default, fn)
+        # callers of callers of ...: past a few levels a parameter is what its default says
+        callers = self.callers(fn) if self._param_depth() <= MAX_PARAM_DEPTH else []
+        for scope, call, shift in callers:
+            arg = _argument(call, fn, name, index, shift)
+            if arg is not None:
+                out |= self.expr(arg, scope)
+            elif default is None:
+                out.add(UNKNOWN)
+        if not callers:
+            out.add(Obj((fn.module.path, node.lineno, node.col_offset, name)))
+        return frozenset(out)
+
+    def _annotation(self, fn: Function, name: str) -> frozenset:
+        """``model: DDP`` / ``model: DistributedDataParallel``: a wrapper whoever calls."""
+        for arg in fn.node.args.posonlyargs + fn.node.args.args + fn.node.args.kwonlyargs:
+            if arg.arg == name and arg.annotation is not None:
+                sym = self.project.resolve_expr(fn.module, arg.annotation)
+                kind = vocab.wrapper_kind(qualified_name(sym)) if sym is not None else ""
+                if kind:
+                    return frozenset((Wrapper(kind, site_of(fn.module, arg)),))
+        return EMPTY
+
+    def calls(self, name: str, load: bool = False) -> list:
+        """(scope, call) for the calls in the parsed modules that call ``name`` (``train(...)`` or
+        ``x.train(...)``), found by descending only into the statements whose lines say ``name``.
+        With ``load``, the catalogued files that mention the name are parsed first (the callers of
+        ``train_one_epoch`` are in the files that say ``train_one_epoch``)."""
+        if load:
+            self.project.load_matching(name)
+        modules = self.project.modules()
+        found = self._calls.setdefault(name, [])
+        start = self._calls_checked.get(name, 0)
+        if start < len(modules):
+            for module in modules[start:]:
+                lines = _call_lines(module).get(name)
+                if lines:
+                    found.extend(_calls_named(module, name, lines))
+            self._calls_checked[name] = len(modules)
+        return found
+
+    def callers(self, fn: Function) -> list:
+        """(scope, call, shift) for every call site that may call ``fn``; shift: arguments the call does
+        not pass for the parameters (1 for ``self`` of a method called through an instance)."""
+        return list(self._memo_callers(fn))
+
+    def _memo_callers(self, fn: Function) -> tuple:
+        key = ("callers", fn.uid, self.project.version)
+        if key in self._plain:
+            return self._plain[key]
+        self._plain[key] = ()
+        names = [fn.node.name]
+        if fn.cls is not None and fn.node.name == "__init__":
+            # ``Sub(...)`` runs Base.__init__ when Sub does not define its own
+            names = [k.node.name for k in self.project.subclasses(fn.cls)
+                     if self.project.attribute(k, "__init__") is fn]
+        # the callers are in its own module and in the modules that import it
+        self.project.importers(fn.module, tuple(names))
+        candidates = [c for n in names for c in self.calls(n)]
+        if fn.cls is not None and fn.node.name == "__call__":
+            candidates = []        # called through an instance under any name: no parameter values from calls
+        out = []
+        if len(candidates) <= MAX_CALLERS:
+            for scope, call in candidates:
+                for v in self.expr(call.func, scope):
+                    shift = self._binds(v, fn)
+                    if shift is not None:
+                        out.append((scope, call, shift))
+                        break
+        self._plain[key] = tuple(out)
+        return self._plain[key]
+
+    def _binds(self, v, fn: Function) -> Optional[int]:
+        if isinstance(v, Func) and v.fn is fn:
+            return 1 if fn.is_method else 0      # Class.method(obj, ...) passes self explicitly
+        if isinstance(v, Bound) and v.fn is fn:
+            return 1
+        if isinstance(v, Cls) and fn.node.name == "__init__" and fn.cls in self.project.mro(v.cls):
+            return 1
+        return None if not isinstance(v, Func) else None
