@@ -253,7 +253,7 @@ class CollectiveInRankBranch(Rule):
     """)
 
     def check(self, ctx):
-        from synccheck.analyzer.project.static import collectives_in_rank_branches
+        from synccheck.analyzer.project.rank_branches import collectives_in_rank_branches
 
         for found in collectives_in_rank_branches(ctx.program):
             through = " (through this call)" if found.through else ""
