@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from synccheck.analyzer.project.scopes import _names as _target_names
+
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
@@ -177,16 +179,6 @@ def _decorator_name(node) -> str:
     if isinstance(node, ast.Name):
         return node.id
     return ""
-
-
-def _target_names(target) -> list:
-    if isinstance(target, ast.Name):
-        return [target.id]
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return [n for el in target.elts for n in _target_names(el)]
-    if isinstance(target, ast.Starred):
-        return _target_names(target.value)
-    return []
 
 
 # ---------------------------------------------------------------------------------------------------
