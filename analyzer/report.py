@@ -63,7 +63,7 @@ def _summary_plain(result: LintResult, out: TextIO) -> None:
     errors = sum(1 for f in result.findings if f.severity == "error")
     out.write(f"Found {n} problem{'s' if n != 1 else ''} ({errors} error{'s' if errors != 1 else ''}, "
               f"{n - errors} warning{'s' if n - errors != 1 else ''})"
-              f"{f' and {len(result.errors)} unreadable file' + ('s' if len(result.errors) != 1 else '') if result.errors else ''}"
+              f"{f' and {len(result.errors)} file error' + ('s' if len(result.errors) != 1 else '') if result.errors else ''}"
               f" in {_files(result.files)}.\n")
     line = _fixable_line(result)
     if line:
@@ -159,7 +159,7 @@ def _full(result: LintResult, out: TextIO, quiet: bool = False) -> None:
         buf.append(f"Found {n} problem{'s' if n != 1 else ''}", style="bold")
         buf.append(f" ({errors} error{'s' if errors != 1 else ''}, {n - errors} warning{'s' if n - errors != 1 else ''})")
     if result.errors:
-        buf.append((" and " if n else "") + f"{len(result.errors)} unreadable file{'s' if len(result.errors) != 1 else ''}",
+        buf.append((" and " if n else "") + f"{len(result.errors)} file error{'s' if len(result.errors) != 1 else ''}",
                    style="bold")
     buf.append(f" in {_files(result.files)}.")
     line = _fixable_line(result)

@@ -205,6 +205,9 @@ def test_read_only_file_is_reported_and_untouched(tmp_path):
     path.chmod(stat.S_IRUSR)
     proc = run("lint", "--no-cache", "--fix", str(tmp_path))
     assert proc.returncode == 1 and "read-only" in proc.stdout and path.read_text() == BAD_LOOP
+    # the finding the fix could not write is still reported, saying why it was not fixed
+    assert "SC101" in proc.stdout and "fix not applied: the file is read-only" in proc.stdout
+    assert "Fixed" not in proc.stdout and "1 problem" in proc.stdout
 
 
 def test_file_changed_on_disk_before_writing_is_not_overwritten(tmp_path):

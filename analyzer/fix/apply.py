@@ -82,14 +82,14 @@ def fix_result(result, rules: list, options: FixOptions, write: bool = True,
     findings = []
     for f in result.findings:
         o = done.get(f.path)
-        if o is None or o.remaining is None:
+        if o is None or o.remaining is None or o.error:      # not written: the findings stand
             if o is not None and o.error and options.enabled(f):
                 f = _not_applied(f, o.error)
             elif o is not None and (f.code, f.message) in o.failed and options.enabled(f):
                 f = _not_applied(f, o.failed[(f.code, f.message)])
             findings.append(f)
     for o in outcomes:
-        if o.remaining is not None:
+        if o.remaining is not None and not o.error:
             findings.extend(o.remaining)
         if o.error:
             result.errors.append(FileError(o.path, o.error))
@@ -100,6 +100,7 @@ def fix_result(result, rules: list, options: FixOptions, write: bool = True,
 
 
 def _not_applied(finding, why: str):
+    why = why[len("not fixed: "):] if why.startswith("not fixed: ") else why
     return finding._replace(fix=f"fix not applied: {why}; {finding.fix}" if finding.fix else f"fix not applied: {why}",
                             autofix={"reason": f"fix not applied: {why}"})
 
