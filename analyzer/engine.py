@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import gc
 import os
+import re
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
@@ -243,10 +244,14 @@ def eager(text: str, rules: Sequence) -> bool:
     analysis needs them (an import, a caller, a base class)."""
     if any(r.code != "SC000" and (r.wants(text) or r.reaches(text)) for r in rules):
         return True
-    return ("for " in text or "while " in text) and any(w in text for w in LOOP_WORDS)
+    return ("for " in text or "while " in text) and (any(w in text for w in LOOP_WORDS) or
+                                                     DRIVER_CALL.search(text) is not None)
 
 
 LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_backward_grad_sync")
+# a script whose loop drives a trainer defined elsewhere: ``trainer.mlm_step(batch)``, ``train_one_epoch(...)``
+DRIVER_WORDS = (b"_step(", b"fit_batch(", b"train_batch(", b"train_one_epoch(", b"train_epoch(")
+DRIVER_CALL = re.compile(r"\w_step\(|fit_batch\(|train_batch\(|train_one_epoch\(|train_epoch\(")
 
 
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
@@ -341,7 +346,8 @@ def _read(path: str, content_key, imported_names, rules, force: bool = False):
     if data is None:
         return None, error
     key = content_key(data)
-    if not force and not any(w in data for w in PROJECT_WORDS) and b"\0" not in data[:8192]:
+    if not force and not any(w in data for w in PROJECT_WORDS) and not any(w in data for w in DRIVER_WORDS) and \
+            b"\0" not in data[:8192]:
         return _Entry(path, key, False, []), None     # nothing here a rule could use: not even decoded
     text, error = decode_source(path, data)
     if error is not None:
