@@ -23,7 +23,6 @@ KNOWN_GAPS = {
     "16_accelerator_passed_through_kwargs_dict": "arguments passed as **dict",
     "17_chunked_backward_loop_step_in_sibling_method": "backward in __call__, step in a sibling method",
     "19_rank_predicate_behind_property": "a rank test behind a @property",
-    "20_loss_scale_unscale_mistaken_for_accum_normalisation": "grads rescaled by the loss scale read as accumulation scaling",
     "22_custom_contextmanager_toggling_require_backward_grad_sync": "the flag set on every module of a dict",
     "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",
     "31_lightning_trainer_accumulation_with_static_graph_ddp": "Lightning Trainer(accumulate_grad_batches) is not modelled",

@@ -1,3 +1,5 @@
+import re
+
 from synccheck.analyzer.rules.base import Rule
 
 
@@ -99,8 +101,16 @@ class UnscaledAccumulatedLoss(Rule):
                            autofix=lambda flow=flow, site=site, info=info: plan_more.unscaled(flow, site, info))
 
 
+_RESCALE = re.compile(r"(multiply_grads|\.grad\.div_|\.grad\.mul_|scale_grads|grad /=|grad \*=|\.grad\.data\.div_|"
+                      r"\.grad\.data\.mul_)(?P<rest>[^\n]*)")
+
+
 def _grads_rescaled(flow) -> bool:
-    """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``)."""
+    """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``).
+    Undoing an fp16 loss scale (``p.grad.mul_(1.0 / 2 ** self.lg_loss_scale)``) is not that."""
     texts = [m.text for m in {id(m): m for m, _ in flow.records.nodes.values()}.values()]
-    return any(w in t for t in texts for w in ("multiply_grads", ".grad.div_", ".grad.mul_", "scale_grads",
-                                                  "grad /=", "grad *=", ".grad.data.div_", ".grad.data.mul_"))
+    for text in texts:
+        for match in _RESCALE.finditer(text):
+            if "loss_scale" not in match.group("rest"):
+                return True
+    return False
