@@ -174,12 +174,15 @@ _COUNT_WORDS = ("accum", "grad_acc", "gradient_acc", "micro", "update_freq", "it
 
 def scales_by_count(factor) -> bool:
     """Could multiplying a loss by this be the accumulation's division (``loss * (1 / accum)``,
-    ``loss * 0.25``, ``loss * self.inv_accum``)? A plain weight (``lambda_coeff``, ``alpha``) is not."""
+    ``loss * 0.25``, ``loss * self.inv_accum``)? A plain weight (``lambda_coeff``, ``alpha``) or an fp16 loss
+    scale is not."""
     if isinstance(factor, ast.Constant):
         return True
     if isinstance(factor, ast.BinOp) and isinstance(factor.op, ast.Div):
         return True
     text = ast.unparse(factor).lower()
+    if "loss_scale" in text:
+        return False          # fp16 loss scaling (``loss * 2 ** lg_loss_scale``), undone before the step
     return any(w in text for w in _COUNT_WORDS)
 
 
