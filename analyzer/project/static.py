@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project.values import Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper
 
@@ -41,6 +41,12 @@ def no_sync_on_unwrapped(program) -> list:
         target = values.expr(target_node, scope)
         if program.wrappers(target):
             continue
+        holder = _holds_wrapper(program, scope, target_node) if call.args else None
+        if holder is not None:
+            # ``model = Denoiser(prepared)``; ``accelerator.accumulate(model)``: the object named holds
+            # the wrapper but is not it, so accelerate finds no no_sync on it
+            out.append(Unwrapped(module, call, _text(module, call), _binding(program, holder), "outer"))
+            continue
         # something we cannot see may be the wrapper, unless what we do see is a module known to
         # have been wrapped elsewhere (``training_models[0]`` holding the module before prepare())
         if any(isinstance(v, Unknown) for v in target) and \
@@ -58,6 +64,37 @@ def no_sync_on_unwrapped(program) -> list:
         if wrapped:
             out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
     return out
+
+
+def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
+    """The wrapper a plain object was built around (``model = Denoiser(ddp_model)``,
+    ``model = make_wrapper(cfg)(ddp_model)``), when the name is bound only to such calls."""
+    if not isinstance(target, ast.Name):
+        return None
+    values = program.values
+    bindings = values.info(scope).assigns.get(target.id, ())
+    found = None
+    for value, path in bindings:
+        if path or not isinstance(value, ast.Call) or _is_wrapping_call(value):
+            return None
+        held = None
+        for arg in list(value.args) + [k.value for k in value.keywords]:
+            wrappers = program.wrappers(values.expr(arg, scope))
+            if wrappers:
+                held = sorted(wrappers, key=repr)[0]
+        if held is None:
+            return None
+        found = held
+    return found
+
+
+def _is_wrapping_call(call: ast.Call) -> bool:
+    """A call that returns the wrapper itself (or the model moved or compiled): not an outer object."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name in ("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "prepare", "prepare_model",
+                    "setup", "setup_module", "compile", "to", "cuda", "half", "float", "bfloat16", "train", "eval",
+                    "unwrap_model", "initialize", "fully_shard")
 
 
 def _forwards_through(scope, ctx_call, target) -> bool:

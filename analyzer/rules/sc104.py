@@ -9,10 +9,10 @@ class NoSyncOnUnwrapped(Rule):
     words = ("no_sync", "no_backward_sync", "accumulate(")
     what = """
         Finds `no_sync()` (and `accelerator.no_sync(...)`, `accelerator.accumulate(...)`,
-        `fabric.no_backward_sync(...)`) applied to
-        something that is not the data-parallel wrapper: `model.module.no_sync()`, or the module
-        that was passed to `DistributedDataParallel(...)` / `accelerator.prepare(...)` when the
-        wrapper was bound to another name.
+        `fabric.no_backward_sync(...)`) applied to something that is not the data-parallel wrapper:
+        `model.module.no_sync()`; the module that was passed to `DistributedDataParallel(...)` /
+        `accelerator.prepare(...)` when the wrapper was bound to another name; or an object built
+        around the wrapper (`model = Denoiser(ddp_model)`, then `accelerator.accumulate(model)`).
     """
     why = """
         Only the wrapper knows how to skip the all-reduce. A plain `nn.Module` has no `no_sync`:
@@ -50,6 +50,18 @@ class NoSyncOnUnwrapped(Rule):
         ddp = DDP(net)
         with net.no_sync():  # SC104
             ddp(x).sum().backward()
+    """, """
+        from accelerate import Accelerator
+
+        def train(inner, optimizer, loader):
+            accelerator = Accelerator(gradient_accumulation_steps=4)
+            inner, optimizer, loader = accelerator.prepare(inner, optimizer, loader)
+            model = Denoiser(inner, sigma_data=0.5)
+            for batch in loader:
+                with accelerator.accumulate(model):  # SC104
+                    accelerator.backward(model.loss(batch))
+                    optimizer.step()
+                    optimizer.zero_grad()
     """, """
         from accelerate import Accelerator
 
@@ -98,6 +110,13 @@ class NoSyncOnUnwrapped(Rule):
         from synccheck.analyzer.project.static import no_sync_on_unwrapped
 
         for found in no_sync_on_unwrapped(ctx.program):
+            if found.kind == "outer":
+                ctx.report(self, found.module, found.node,
+                           f"`{found.how}` names an object that holds the wrapper `{found.wrapper_text}` but is not "
+                           f"it: accelerate looks for no_sync() on the object it is given, finds none and falls "
+                           f"back to a nullcontext, so every micro-step still all-reduces",
+                           f"pass the wrapper itself (`{found.wrapper_text}`)")
+                continue
             if found.kind == "module":
                 ctx.report(self, found.module, found.node,
                            f"`{found.how}` names the module inside the wrapper: a plain nn.Module has no "
