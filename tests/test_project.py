@@ -722,3 +722,28 @@ def test_a_script_whose_loop_drives_a_trainer_object_in_another_file(tmp_path):
         """,
     }
     assert check_project(tmp_path, files) == expected(tmp_path, files)
+
+
+def test_wrapper_imported_inside_the_function_that_wraps(tmp_path):
+    # ``from torch.nn.parallel import DistributedDataParallel`` inside __init__ (only when distributed)
+    files = {
+        "distiller.py": """
+            class Distiller:
+                def __init__(self, student, optimizer, params):
+                    self.student, self.optimizer, self.params = student, optimizer, params
+                    self.n_iter = 0
+                    if params.multi_gpu:
+                        from torch.nn.parallel import DistributedDataParallel
+                        self.student = DistributedDataParallel(self.student, device_ids=[params.local_rank])
+
+                def train(self, loader):
+                    for batch in loader:
+                        loss = self.student(batch).mean() / self.params.accum
+                        loss.backward()  # SC101
+                        self.n_iter += 1
+                        if self.n_iter % self.params.accum == 0:
+                            self.optimizer.step()
+                            self.optimizer.zero_grad()
+        """,
+    }
+    check_project(tmp_path, files)

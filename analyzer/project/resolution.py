@@ -90,6 +90,26 @@ class Resolution:
             return found
         return self._resolve(module, name, _seen)
 
+    def resolve_import(self, module: Module, imported: tuple, seen: Optional[set] = None):
+        """What ``(module name, attribute or None, level)`` imported into ``module`` stands for."""
+        seen = set() if seen is None else seen
+        mod, attr, level = imported
+        if attr is None:
+            target = self.find_module(module, mod, level)
+            return ModuleRef(target) if target is not None else External(mod)
+        target = self.find_module(module, mod, level)
+        if target is not None:
+            found = self._resolve(target, attr, seen)
+            if found is not None:
+                return found
+            sub = self.find_module(target, attr, 1) if os.path.basename(target.path) == "__init__.py" else None
+            if sub is not None:
+                return ModuleRef(sub)
+            return None
+        if level:
+            return None
+        return External(f"{mod}.{attr}" if mod else attr)
+
     def _resolve(self, module: Module, name: str, seen: set):
         key = (module.path, name)
         if key in seen:
@@ -98,22 +118,7 @@ class Resolution:
         if name in module.top:
             return module.top[name]
         if name in module.imports:
-            mod, attr, level = module.imports[name]
-            if attr is None:
-                target = self.find_module(module, mod, level)
-                return ModuleRef(target) if target is not None else External(mod)
-            target = self.find_module(module, mod, level)
-            if target is not None:
-                found = self._resolve(target, attr, seen)
-                if found is not None:
-                    return found
-                sub = self.find_module(target, attr, 1) if os.path.basename(target.path) == "__init__.py" else None
-                if sub is not None:
-                    return ModuleRef(sub)
-                return None
-            if level:
-                return None
-            return External(f"{mod}.{attr}" if mod else attr)
+            return self.resolve_import(module, module.imports[name], seen)
         if name in module.globals:
             return GlobalRef(module, name)
         for mod, level in module.stars:

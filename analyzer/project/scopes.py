@@ -16,7 +16,7 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
-                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores")
+                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores", "imports")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -35,6 +35,7 @@ class ScopeInfo:
         self.where = None                # the statement being read (while reading)
         self.fors: dict = {}             # name -> [(iterated expr, unpack path)]   (for name in expr)
         self.item_stores: dict = {}      # name -> [value expr]   (name[key] = value)
+        self.imports: dict = {}          # name -> (module, attribute or None, level): imports in the body
 
     def reaching(self, name: str, line: int) -> Optional[tuple]:
         """Which of ``assigns[name]`` can reach a use of the name on ``line``: (their indexes, whether
@@ -117,10 +118,17 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
             if stmt.value is not None:
                 _expr(stmt.value, info)
                 info.returns.append(stmt.value)
-        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+        elif isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                local = alias.asname or alias.name.split(".")[0]
+                info.locals.add(local)
+                info.imports[local] = (alias.name, None, 0) if alias.asname else (local, None, 0)
+        elif isinstance(stmt, ast.ImportFrom):
             for alias in stmt.names:
                 if alias.name != "*":
-                    info.locals.add(alias.asname or alias.name.split(".")[0])
+                    local = alias.asname or alias.name
+                    info.locals.add(local)
+                    info.imports[local] = (stmt.module or "", alias.name, stmt.level)
         elif isinstance(stmt, ast.Global):
             info.declared_global.update(stmt.names)
         elif isinstance(stmt, ast.Expr):

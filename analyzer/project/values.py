@@ -221,6 +221,11 @@ class Values(ContainerValues, ParameterValues, CallValues):
             out |= self.entered(self.expr(ctx_expr, fn))
         if name in info.for_names:
             out |= self._iterated(name, info, fn)
+        if name in info.imports and not out:
+            # ``from torch.nn.parallel import DistributedDataParallel`` inside the function
+            sym = self.project.resolve_import(fn.module, info.imports[name])
+            if sym is not None:
+                out |= self.symbol(sym)
         if name in fn.module.imports and not out:
             sym = self.project.resolve(fn.module, name)
             if sym is not None:
