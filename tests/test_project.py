@@ -732,7 +732,10 @@ def test_wrapper_imported_inside_the_function_that_wraps(tmp_path):
                 def __init__(self, student, optimizer, params):
                     self.student, self.optimizer, self.params = student, optimizer, params
                     self.n_iter = 0
-                    if params.multi_gpu:
+                    if params.multi_gpu and params.fp16:
+                        from apex.parallel import DistributedDataParallel
+                        self.student = DistributedDataParallel(self.student)
+                    elif params.multi_gpu:
                         from torch.nn.parallel import DistributedDataParallel
                         self.student = DistributedDataParallel(self.student, device_ids=[params.local_rank])
 
