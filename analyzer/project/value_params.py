@@ -47,11 +47,28 @@ class ParameterValues:
             arg = _argument(call, fn, name, index, shift)
             if arg is not None:
                 out |= self.expr(arg, scope)
+                continue
+            spread = self._spread_keyword(call, name, scope)
+            if spread is not None:
+                out |= spread
             elif default is None:
                 out.add(UNKNOWN)
         if not callers:
             out.add(Obj((fn.module.path, node.lineno, node.col_offset, name)))
         return frozenset(out)
+
+    def _spread_keyword(self, call, name: str, scope):
+        """``f(**arguments)`` with ``arguments = {"accelerator": accelerator, ...}``: the entry of that
+        name, when the dict literal has one; None when no ``**`` dict says anything about it."""
+        out = None
+        for kw in call.keywords:
+            if kw.arg is not None:
+                continue
+            for v in self.expr(kw.value, scope):
+                fields = getattr(v, "fields", None)
+                if fields and any(k == name for k, _ in fields):
+                    out = (out or frozenset()) | v.item(name)
+        return out
 
     def _annotation(self, fn: Function, name: str) -> frozenset:
         """``model: DDP`` / ``model: DistributedDataParallel``: a wrapper whoever calls."""
