@@ -31,13 +31,14 @@ class ContainerValues:
                     spread.append(call.args[0])
         if not added and not spread:
             return out
-        items, keyed, rest = set(), False, set()
+        items, keyed, rest, fields = set(), False, set(), ()
         for v in out:
             if isinstance(v, Tup):
                 items.update(x for part in v.items for x in part)
             elif isinstance(v, Bag):
                 items |= v.items
                 keyed = keyed or v.keyed
+                fields = fields or v.fields      # the literal's entries still hold, with more beside them
             else:
                 rest.add(v)
         if len(rest) == len(out):
@@ -46,7 +47,7 @@ class ContainerValues:
             items |= self.expr(node, scope)
         for node in spread:
             items |= self.elements(self.expr(node, scope), values_of_dict=True)
-        return rest | {Bag(_cap(items), keyed)}
+        return rest | {Bag(_cap(items), keyed, fields)}
 
     def _iterated(self, name: str, info, scope) -> frozenset:
         """What ``for name in expr`` binds: the elements of a list or tuple we know, else unknown."""

@@ -132,7 +132,12 @@ class Bag(NamedTuple):
     def item(self, key) -> frozenset:
         """``bag["key"]``: that entry's values when the dict literal named it, else any element."""
         if self.fields and isinstance(key, str):
-            return next((vals for k, vals in self.fields if k == key), ONE_UNKNOWN)
+            named = next((vals for k, vals in self.fields if k == key), None)
+            # what was put in later (``d.update(...)``, ``d[k] = v``) may be under any key
+            later = self.items - frozenset().union(*(vals for _, vals in self.fields))
+            if named is None:
+                return later or ONE_UNKNOWN
+            return named | later
         return self.items
 
 
