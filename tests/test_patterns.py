@@ -15,7 +15,6 @@ PATTERNS = Path(__file__).parent / "fixtures" / "patterns"
 
 # what real code does that the analyzer does not model yet (see each folder's README.md)
 KNOWN_GAPS = {
-    "03_accelerate_prepare_starred_list": "accelerator.prepare(*parts) with a starred list",
     "05_lazy_property_wraps_ddp": "a lazy @property that wraps the model in DDP",
     "06_ddp_subclass_with_runtime_base": "a DDP subclass whose base is chosen at run time",
     "11_lightning_manual_optimization_training_step": "Lightning manual optimization is not modelled",

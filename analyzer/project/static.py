@@ -122,9 +122,12 @@ def _binding(program, wrapper: Wrapper) -> str:
                 if isinstance(sub, ast.Call) and sub.lineno == line and sub.col_offset == col:
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     target = targets[0]
-                    if isinstance(target, (ast.Tuple, ast.List)) and len(wrapper.site) > 3 and \
-                            isinstance(wrapper.site[3], int) and wrapper.site[3] < len(target.elts):
-                        target = target.elts[wrapper.site[3]]
+                    index = wrapper.site[3] if len(wrapper.site) > 3 and isinstance(wrapper.site[3], int) else None
+                    if isinstance(target, (ast.Tuple, ast.List)) and index is not None and index < len(target.elts):
+                        target = target.elts[index]
+                    elif isinstance(target, ast.Name) and index is not None and sub.args and \
+                            any(isinstance(a, ast.Starred) for a in sub.args):
+                        return f"{target.id}[{index}]"      # prepared = accelerator.prepare(*parts)
                     return ast.unparse(target)
     return "the wrapper"
 

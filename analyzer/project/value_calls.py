@@ -170,7 +170,7 @@ class CallValues:
 
     def _prepare(self, call, attr: str, scope, module) -> frozenset:
         items = []
-        for i, arg in enumerate(call.args):
+        for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
             site = site_of(module, call, i)
             if attr == "prepare_optimizer" or any(isinstance(v, Optim) for v in values) or \
@@ -189,6 +189,21 @@ class CallValues:
         if len(items) == 1:
             return items[0]
         return frozenset((Tup(tuple(items)),))
+
+    def _spread_args(self, call, scope) -> list:
+        """The positional arguments, with ``*parts`` replaced by the elements of the list literal
+        ``parts`` was bound to (``components = [self.model, self.optimizer]``; what is appended
+        later comes after them)."""
+        out = []
+        for arg in call.args:
+            if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+                bound = self.info(scope).assigns.get(arg.value.id, ())
+                literals = [v for v, path in bound if not path and isinstance(v, (ast.List, ast.Tuple))]
+                if len(bound) == 1 and literals and not any(isinstance(e, ast.Starred) for e in literals[0].elts):
+                    out.extend(literals[0].elts)
+                    continue
+            out.append(arg)
+        return out
 
     def _fabric_setup(self, call, attr: str, receiver, scope, module) -> frozenset:
         single = any(isinstance(v, Framework) and v.single for v in receiver)
