@@ -20,7 +20,6 @@ KNOWN_GAPS = {
     "11_lightning_manual_optimization_training_step": "Lightning manual optimization is not modelled",
     "17_chunked_backward_loop_step_in_sibling_method": "backward in __call__, step in a sibling method",
     "19_rank_predicate_behind_property": "a rank test behind a @property",
-    "22_custom_contextmanager_toggling_require_backward_grad_sync": "the flag set on every module of a dict",
     "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",
     "31_lightning_trainer_accumulation_with_static_graph_ddp": "Lightning Trainer(accumulate_grad_batches) is not modelled",
     "33_zero_grad_under_loop_invariant_config_guard": "a loop-invariant guard is not split into its two cases",

@@ -136,7 +136,7 @@ class Loops:
         exits = list(ctx.breaks)
         if last is not None:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
-        elif is_for and end is not None and info.id in self.optimizer_loops:
+        elif is_for and end is not None and (info.id in self.optimizer_loops or _flags_each(s)):
             exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
         elif is_for:
             exits.append(head)
@@ -229,4 +229,15 @@ def _steps_each(loop) -> bool:
     name = loop.target.id
     return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and
                isinstance(n.func.value, ast.Name) and n.func.value.id == name
+               for stmt in loop.body for n in ast.walk(stmt))
+
+
+def _flags_each(loop) -> bool:
+    """``for m in self.modules.values(): m.require_backward_grad_sync = False``: a loop over the
+    wrapped modules, which runs at least once."""
+    if not isinstance(loop.target, ast.Name):
+        return False
+    name = loop.target.id
+    return any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == "require_backward_grad_sync"
+               and isinstance(n.value, ast.Name) and n.value.id == name
                for stmt in loop.body for n in ast.walk(stmt))

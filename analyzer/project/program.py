@@ -187,6 +187,8 @@ class Program:
                     fn = fn.parent
             sym = self.project.resolve(module, func.id)
             return _callables(self.project, sym)
+        if isinstance(func, ast.Subscript):
+            return None                          # self.modules["encoder"](x): a model kept in a container
         if isinstance(func, ast.Attribute):
             base = func.value
             if isinstance(base, ast.Name) and isinstance(scope, Function) and scope.cls is not None and \

@@ -65,6 +65,9 @@ class ScopeInfo:
         return tuple(out), kill is not None
 
 
+ITEM = ("item",)    # the unpack path of a value stored into a container attribute (``self.d[k] = v``)
+
+
 class Span(NamedTuple):
     first: int       # the binding statement's lines
     last: int
@@ -193,6 +196,10 @@ def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
         _bind(target.value, value, path, info, self_name)
     elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and not path:
         info.item_stores.setdefault(target.value.id, []).append(value)
+    elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) and not path and \
+            self_name and isinstance(target.value.value, ast.Name) and target.value.value.id == self_name:
+        # ``self.modules[name] = DDP(module)``: an element of the container ``self.modules``
+        info.self_attrs.setdefault(target.value.attr, []).append((value, ITEM))
 
 
 def _bind_for(target, iterated, path: tuple, info: ScopeInfo) -> None:

@@ -28,7 +28,7 @@ from typing import Optional
 from synccheck.analyzer.project.definitions import (Class, External, Function, GlobalRef, Module, ModuleRef,
                                                     qualified_name)
 from synccheck.analyzer.project.index import Project
-from synccheck.analyzer.project.scopes import scope_info
+from synccheck.analyzer.project.scopes import ITEM, scope_info
 from synccheck.analyzer.project.value_calls import CallValues
 from synccheck.analyzer.project.value_containers import ContainerValues
 from synccheck.analyzer.project.value_params import ParameterValues
@@ -354,6 +354,9 @@ class Values(ContainerValues, ParameterValues, CallValues):
             if attr in klass.methods:
                 return frozenset((Bound(klass.methods[attr], inst),))
             for scope, value, path in _class_attrs(self, klass).get(attr, ()):
+                if path == ITEM:
+                    out.add(Bag(_cap(self.expr(value, scope)), True))
+                    continue
                 out |= self.unpack(self.expr(value, scope), path, value, scope)
         # stores from outside: ``trainer.model = DDP(...)``
         for scope, receiver, value, path in self._outside_stores(attr):
