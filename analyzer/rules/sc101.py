@@ -151,13 +151,16 @@ class SyncEveryMicrostep(Rule):
                 module, node = ctx.node(flow, site)
                 name = ctx.model_name(model)
                 name = "the model" if name == "the model" else f"`{name}`"
+                # FSDP / FSDP2 reduce-scatter their gradients rather than all-reduce them
+                sharded = getattr(model, "kind", "") in ("fsdp", "fsdp2")
+                verb, noun = ("reduce-scatter", "reduce-scatters") if sharded else ("all-reduce", "all-reduces")
                 if any(t.synced != "on" for t, *_ in outcomes.records):
                     when = outcomes.describe(group)
-                    msg = (f"these micro-steps of {name} all-reduce gradients on every backward: no sync control "
-                           f"covers them{' (when ' + when + ')' if when else ''}, so N-1 of every N all-reduces "
+                    msg = (f"these micro-steps of {name} {verb} gradients on every backward: no sync control "
+                           f"covers them{' (when ' + when + ')' if when else ''}, so N-1 of every N {noun} "
                            f"are wasted")
                 else:
-                    msg = (f"{name} all-reduces gradients on every micro-step of this accumulation loop, though "
-                           f"the optimizer steps only every few: N-1 of every N all-reduces are wasted")
+                    msg = (f"{name} {noun} gradients on every micro-step of this accumulation loop, though "
+                           f"the optimizer steps only every few: N-1 of every N {noun} are wasted")
                 ctx.report(self, module, node, msg, FIX,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))

@@ -55,7 +55,11 @@ class SamplerWithoutSetEpoch(Rule):
         from synccheck.analyzer.project.static import samplers_without_set_epoch
 
         for found in samplers_without_set_epoch(ctx.program):
+            named = found.name != "the sampler"
+            subject = f"`{found.name}` is a DistributedSampler but" if named else "this DistributedSampler is built but"
+            receiver = found.name if named else "the sampler"
             ctx.report(self, found.module, found.node,
-                       f"`{found.name}` is a DistributedSampler but set_epoch() is never called: every epoch replays "
-                       f"the same order on every rank", f"call `{found.name}.set_epoch(epoch)` at the start of each epoch",
+                       f"{subject} set_epoch() is never called: every epoch replays the same order on every rank",
+                       f"call `{receiver}.set_epoch(epoch)` at the start of each epoch (keep the sampler in a variable)"
+                       if not named else f"call `{found.name}.set_epoch(epoch)` at the start of each epoch",
                        autofix=lambda found=found: plan_more.set_epoch(ctx.program, found))
