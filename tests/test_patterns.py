@@ -21,7 +21,6 @@ KNOWN_GAPS = {
     "17_chunked_backward_loop_step_in_sibling_method": "backward in __call__, step in a sibling method",
     "19_rank_predicate_behind_property": "a rank test behind a @property",
     "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",
-    "31_lightning_trainer_accumulation_with_static_graph_ddp": "Lightning Trainer(accumulate_grad_batches) is not modelled",
     "33_zero_grad_under_loop_invariant_config_guard": "a loop-invariant guard is not split into its two cases",
 }
 

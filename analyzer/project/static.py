@@ -280,3 +280,103 @@ def _assigned_name(module, call) -> str:
 def _text(module, node) -> str:
     return (module.segment(node) or ast.unparse(node)).strip()
 
+
+
+class LightningStaticGraph(NamedTuple):
+    module: object
+    node: object          # the DDPStrategy(static_graph=True) call
+    trainer: object       # the Trainer(...) call
+
+
+_LIGHTNING = ("lightning", "pytorch_lightning")
+
+
+def lightning_static_graph_accumulation(program) -> list:
+    """``Trainer(strategy=DDPStrategy(static_graph=True), accumulate_grad_batches=n)``: Lightning runs
+    the micro-steps before each boundary under ``no_sync``, the very first one included (SC106)."""
+    values = program.values
+    out = []
+    for scope, call in values.calls("Trainer"):
+        module = values.module_of(scope)
+        if not module.linted:
+            continue
+        callee = values.expr(call.func, scope)
+        if not any(isinstance(v, Ext) and v.qualname.split(".")[0] in _LIGHTNING for v in callee):
+            continue
+        info = values.info(scope)
+        accumulate = _keyword_argument(call, "accumulate_grad_batches", info)
+        if accumulate is None or (isinstance(accumulate, ast.Constant) and accumulate.value in (0, 1, None)):
+            continue
+        strategy = _keyword_argument(call, "strategy", info)
+        for where, node in _static_graph_strategies(program, strategy, scope):
+            out.append(LightningStaticGraph(where, node, call))
+    return out
+
+
+def _keyword_argument(call: ast.Call, name: str, info, depth: int = 0):
+    """The expression given for keyword ``name``: spelled out, or inside a ``**cfg`` whose dict is
+    built in this function (``dict(...)`` or ``{...}``, then ``cfg.update(more)``)."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    for k in call.keywords:
+        if k.arg is None and isinstance(k.value, ast.Name):
+            found = _dict_entry(k.value.id, name, info, depth)
+            if found is not None:
+                return found
+    return None
+
+
+def _dict_entry(var: str, key: str, info, depth: int):
+    if depth > 3:
+        return None
+    sources = [value for value, path in info.assigns.get(var, ()) if not path]
+    sources += [c.args[0] for c in info.calls if c.args and isinstance(c.func, ast.Attribute) and
+                c.func.attr == "update" and isinstance(c.func.value, ast.Name) and c.func.value.id == var]
+    for value in sources:
+        if isinstance(value, ast.Dict):
+            for k, v in zip(value.keys, value.values):
+                if isinstance(k, ast.Constant) and k.value == key:
+                    return v
+        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
+            found = _keyword_argument(value, key, info, depth + 1)
+            if found is not None:
+                return found
+        elif isinstance(value, ast.Name):
+            found = _dict_entry(value.id, key, info, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _static_graph_strategies(program, node, scope, depth: int = 0) -> list:
+    """The ``DDPStrategy(..., static_graph=True)`` calls a strategy argument can be: the call itself,
+    a name bound to it, or what a project function returns."""
+    if node is None or depth > 3:
+        return []
+    values = program.values
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name == "DDPStrategy":
+            if any(k.arg == "static_graph" and isinstance(k.value, ast.Constant) and k.value.value is True
+                   for k in node.keywords):
+                return [(values.module_of(scope), node)]
+            return []
+        out = []
+        for v in values.expr(func, scope):
+            fn = getattr(v, "fn", None)
+            if fn is not None:
+                for ret in values.info(fn).returns:
+                    out.extend(_static_graph_strategies(program, ret, fn, depth + 1))
+        return out
+    if isinstance(node, ast.IfExp):
+        return _static_graph_strategies(program, node.body, scope, depth) + \
+            _static_graph_strategies(program, node.orelse, scope, depth)
+    if isinstance(node, ast.Name):
+        out = []
+        for value, path in values.info(scope).assigns.get(node.id, ()):
+            if not path:
+                out.extend(_static_graph_strategies(program, value, scope, depth + 1))
+        return out
+    return []

@@ -6,10 +6,12 @@ class StaticGraphNoSync(Rule):
     name = "static-graph-no-sync"
     severity = "error"
     summary = "DDP(static_graph=True) with no_sync on the very first iteration fails an internal assert"
-    requires = ("static_graph", ".backward(")
+    requires = ("static_graph",)
     what = """
         Finds `DistributedDataParallel(..., static_graph=True)` models whose very first micro-step can
-        run with gradient sync off (`no_sync()`, or `require_backward_grad_sync = False`).
+        run with gradient sync off (`no_sync()`, or `require_backward_grad_sync = False`), and Lightning
+        Trainers given `DDPStrategy(static_graph=True)` with `accumulate_grad_batches` above 1 (Lightning
+        runs every micro-step before a boundary under `no_sync`, the first one included).
     """
     why = """
         With `static_graph=True` DDP records the graph during the first iteration and needs that
@@ -34,7 +36,17 @@ class StaticGraphNoSync(Rule):
             if sync:
                 optimizer.step()
                 optimizer.zero_grad()
-    """,)
+    """, """
+        import lightning.pytorch as pl
+        from lightning.pytorch.strategies import DDPStrategy
+
+        trainer = pl.Trainer(
+            devices=4,
+            strategy=DDPStrategy(static_graph=True),  # SC106
+            accumulate_grad_batches=8,
+        )
+        trainer.fit(model, train_loader)
+    """)
     VALID = ("""
         from contextlib import nullcontext
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,11 +71,25 @@ class StaticGraphNoSync(Rule):
             if sync:
                 optimizer.step()
                 optimizer.zero_grad()
+    """, """
+        import lightning.pytorch as pl
+        from lightning.pytorch.strategies import DDPStrategy
+
+        trainer = pl.Trainer(devices=4, strategy=DDPStrategy(static_graph=True), accumulate_grad_batches=1)
+        trainer.fit(model, train_loader)
     """)
 
     def check(self, ctx):
         from synccheck.analyzer.project.facts import first_iteration_off
 
+        from synccheck.analyzer.project.static import lightning_static_graph_accumulation
+
+        for found in lightning_static_graph_accumulation(ctx.program):
+            ctx.report(self, found.module, found.node,
+                       "`DDPStrategy(static_graph=True)` with `accumulate_grad_batches` > 1: Lightning runs "
+                       "the micro-steps before each optimizer step under no_sync, the very first one included, "
+                       "and DDP's reducer fails an internal assert (pytorch#143580)",
+                       "drop static_graph=True, or do not accumulate with this strategy")
         for flow in ctx.flows:
             for site, model, by in first_iteration_off(flow):
                 module, node = ctx.node(flow, by)
