@@ -17,7 +17,6 @@ PATTERNS = Path(__file__).parent / "fixtures" / "patterns"
 KNOWN_GAPS = {
     "05_lazy_property_wraps_ddp": "a lazy @property that wraps the model in DDP",
     "06_ddp_subclass_with_runtime_base": "a DDP subclass whose base is chosen at run time",
-    "11_lightning_manual_optimization_training_step": "Lightning manual optimization is not modelled",
     "17_chunked_backward_loop_step_in_sibling_method": "backward in __call__, step in a sibling method",
     "19_rank_predicate_behind_property": "a rank test behind a @property",
     "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",

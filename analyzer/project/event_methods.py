@@ -94,6 +94,10 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         how = "scaler.scale(loss).backward" if _scale_call(node.func.value) else "loss.backward"
         backward(flow, node, recv, how, st, fr)
         return NONE_VAL
+    if attr == "manual_backward" and args and not project_method:
+        # LightningModule.manual_backward(loss): the backward of manual optimization
+        backward(flow, node, args[0], "loss.backward", st, fr)
+        return NONE_VAL
     if attr == "step" and not project_method:
         if any(isinstance(v, Scaler) for v in vals) or (_name(node.func.value).endswith("scaler") and args):
             if args:

@@ -105,6 +105,8 @@ class Program:
                             any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment)) \
                             and _has_loop(fn.node.body) and self._loop_reaches_backward(fn.node.body, fn):
                         out.append(fn)
+                    elif lightning_manual_step(fn, segment):
+                        out.append(fn)
                 top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                            ast.ClassDef))]
                 if _has_loop(top) and self._loop_reaches_backward(top, module):
@@ -432,3 +434,11 @@ def _loops(body):
         for node in _walk_no_defs(stmt):
             if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
                 yield node
+
+
+def lightning_manual_step(fn, segment: str) -> bool:
+    """A LightningModule's ``training_step`` under manual optimization: Lightning calls it once per
+    batch, so its body is the micro-step of a loop we do not see (``self.manual_backward(loss)``,
+    ``opt.step()`` every few batches)."""
+    return fn.node.name == "training_step" and fn.cls is not None and "manual_backward(" in segment and \
+        "automatic_optimization" in fn.module.segment(fn.cls.node) and len(fn.params) >= 3

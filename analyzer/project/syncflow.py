@@ -31,6 +31,7 @@ from synccheck.analyzer.project.state import EnvVal, Prop
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
+from synccheck.analyzer.project.program import lightning_manual_step
 from synccheck.analyzer.project.loops import MAX_LOOP_ROUNDS, LoopCtx, LoopInfo, Loops, _int, _loop_head, _steps_each
 
 MAX_DEPTH = 8
@@ -76,6 +77,8 @@ class Flow(Loops):
         scope = self.root
         fr = Frame(scope)
         body = scope.node.body if isinstance(scope, Function) else scope.tree.body
+        if isinstance(scope, Function) and lightning_manual_step(scope, scope.module.segment(scope.node)):
+            body = [_lightning_loop(scope)]
         st = St({Prop(): TRUE}, {})
         if isinstance(scope, Function):
             for name in scope.params:
@@ -273,3 +276,17 @@ class Flow(Loops):
             if isinstance(v, Const) and isinstance(v.value, (int, bool)):
                 return v.value
         return None
+
+
+def _lightning_loop(fn) -> ast.For:
+    """``for batch_idx, batch in enumerate(batches): <training_step's body>``: the loop Lightning runs
+    around a manual-optimization ``training_step(self, batch, batch_idx)``."""
+    node = fn.node
+    batch, batch_idx = fn.params[1], fn.params[2]
+    target = ast.Tuple([ast.Name(batch_idx, ast.Store()), ast.Name(batch, ast.Store())], ast.Store())
+    iterated = ast.Call(ast.Name("enumerate", ast.Load()), [ast.Name("__lightning_batches__", ast.Load())], [])
+    loop = ast.For(target=target, iter=iterated, body=node.body, orelse=[])
+    for part in (loop, target, iterated) + tuple(target.elts) + (iterated.func,) + tuple(iterated.args):
+        ast.copy_location(part, node)
+        part.end_lineno, part.end_col_offset = node.end_lineno, node.end_col_offset
+    return loop

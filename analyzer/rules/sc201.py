@@ -6,7 +6,7 @@ class ZeroGradEveryMicrostep(Rule):
     name = "zero-grad-every-microstep"
     severity = "error"
     summary = "zero_grad() runs on every micro-step, wiping the gradients being accumulated"
-    requires = (".backward(", "zero_grad", "step(")
+    requires = ("backward(", "zero_grad", "step(")  # also manual_backward( (Lightning)
     what = """
         Finds accumulation loops (the optimizer steps every N micro-steps) where `zero_grad()` runs
         on every micro-step, not only at the boundary. Not reported for optimizers prepared by

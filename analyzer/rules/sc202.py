@@ -8,7 +8,7 @@ class UnscaledAccumulatedLoss(Rule):
     name = "unscaled-accumulated-loss"
     severity = "warning"
     summary = "Accumulated loss is not divided by the number of micro-steps"
-    requires = (".backward(", "step(")
+    requires = ("backward(", "step(")  # also manual_backward( (Lightning)
     what = """
         Finds plain-PyTorch accumulation loops whose loss reaches `backward()` without being divided
         (or multiplied) on the way. Not reported for `accelerator.backward` (Accelerate divides by
