@@ -279,6 +279,24 @@ class _RankChecker:
                 value, where = self._bound(test, scope)
                 if value is not None:
                     return self.polarity(value, where, depth + 1)
+            returned = self._accessor_return(node, scope)
+            if returned is not None:
+                return self.polarity(returned[0], returned[1], depth + 1)
+        return None
+
+    def _accessor_return(self, node, scope):
+        """``self.can_checkpoint`` where the class defines ``can_checkpoint`` as a property (or a method
+        called without arguments) that only returns an expression: (that expression, the method)."""
+        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and
+                isinstance(scope, Function) and scope.cls is not None and scope.params and
+                node.value.id == scope.params[0]):
+            return None
+        method = self.program.project.attribute(scope.cls, node.attr)
+        if not isinstance(method, Function):
+            return None
+        body = [s for s in method.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
+            return body[0].value, method
         return None
 
     def _bound(self, name: ast.Name, scope) -> tuple:

@@ -186,7 +186,8 @@ class CollectiveInRankBranch(Rule):
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
                 and _has_collective(text)):
             return False
-        return _rank_branch_calls(text)
+        # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line
+        return _rank_branch_calls(text) or "@property" in text
 
     @classmethod
     def reaches(cls, text: str) -> bool:
