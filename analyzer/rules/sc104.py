@@ -110,21 +110,17 @@ class NoSyncOnUnwrapped(Rule):
         from synccheck.analyzer.project.static import no_sync_on_unwrapped
 
         for found in no_sync_on_unwrapped(ctx.program):
-            if found.kind == "outer":
-                ctx.report(self, found.module, found.node,
-                           f"`{found.how}` names an object that holds the wrapper `{found.wrapper_text}` but is not "
-                           f"it: accelerate looks for no_sync() on the object it is given, finds none and falls "
-                           f"back to a nullcontext, so every micro-step still all-reduces",
-                           f"pass the wrapper itself (`{found.wrapper_text}`)")
-                continue
-            if found.kind == "module":
-                ctx.report(self, found.module, found.node,
-                           f"`{found.how}` names the module inside the wrapper: a plain nn.Module has no "
-                           f"no_sync(), so this raises AttributeError (or, through accelerate, silently does "
-                           f"nothing and every micro-step still all-reduces)",
-                           f"call no_sync() on the wrapper itself (`{found.wrapper_text}`)")
-            else:
-                ctx.report(self, found.module, found.node,
-                           f"`{found.how}` names the original module, not the wrapper `{found.wrapper_text}` built "
-                           f"from it: nothing skips the all-reduce (accelerate falls back to a nullcontext; a plain "
-                           f"module has no no_sync)", f"use `{found.wrapper_text}` here")
+            how, wrapper = found.how, found.wrapper_text
+            message, fix = {
+                "outer": (f"`{how}` names an object that holds the wrapper `{wrapper}` but is not it: accelerate "
+                          f"looks for no_sync() on the object it is given, finds none and falls back to a "
+                          f"nullcontext, so every micro-step still all-reduces",
+                          f"pass the wrapper itself (`{wrapper}`)"),
+                "module": (f"`{how}` names the module inside the wrapper: a plain nn.Module has no no_sync(), so "
+                           f"this raises AttributeError (or, through accelerate, silently does nothing and every "
+                           f"micro-step still all-reduces)", f"call no_sync() on the wrapper itself (`{wrapper}`)"),
+                "original": (f"`{how}` names the original module, not the wrapper `{wrapper}` built from it: "
+                             f"nothing skips the all-reduce (accelerate falls back to a nullcontext; a plain "
+                             f"module has no no_sync)", f"use `{wrapper}` here"),
+            }[found.kind]
+            ctx.report(self, found.module, found.node, message, fix)
