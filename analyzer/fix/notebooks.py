@@ -15,13 +15,12 @@ from synccheck.analyzer.fix.apply import Outcome, fix_text
 
 def fix_notebook(path: str, rules: list, options) -> Outcome:
     from synccheck.analyzer.notebook import parse_notebook
+    from synccheck.analyzer.source import read_bytes
 
     outcome = Outcome(path)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except OSError as exc:
-        outcome.error = f"cannot read: {exc.strerror or exc}"
+    data, error = read_bytes(path)
+    if data is None:
+        outcome.error = error.message
         return outcome
     notebook, error = parse_notebook(path, data)
     if notebook is None:
