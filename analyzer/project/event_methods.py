@@ -190,6 +190,20 @@ def scales_by_count(factor) -> bool:
     return any(w in text for w in _COUNT_WORDS)
 
 
+_UNWEIGHTED = object()
+
+
+def weighted(loss, factor, factor_node):
+    """``loss * factor`` where the factor is a plain weight (``lambda_coeff``, an fp16 loss scale),
+    not the accumulation's 1/N: the product is as scaled as the loss was. ``_UNWEIGHTED`` when this is
+    not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count)."""
+    is_loss = bool(loss.prov) or loss.scaled is not None
+    factor_is_loss = bool(factor.prov) or factor.scaled is not None
+    if is_loss and not factor_is_loss and not scales_by_count(factor_node):
+        return loss.scaled
+    return _UNWEIGHTED
+
+
 def _scale_call(node) -> bool:
     return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "scale"
 

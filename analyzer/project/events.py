@@ -94,12 +94,14 @@ def expr(flow, node, st, fr) -> EnvVal:
         return call(flow, node, st, fr)
     if t is ast.BinOp:
         left, right = expr(flow, node.left, st, fr), expr(flow, node.right, st, fr)
-        left_loss = bool(left.prov) or left.scaled is not None
-        right_loss = bool(right.prov) or right.scaled is not None
-        if isinstance(node.op, ast.Mult) and left_loss != right_loss and \
-                not scales_by_count(node.right if left_loss else node.left):
+        product = _UNWEIGHTED
+        if isinstance(node.op, ast.Mult):
             # ``lambda_coeff * loss``: a weight between losses, not the accumulation's 1/N
-            scaled = left.scaled if left_loss else right.scaled
+            product = weighted(left, right, node.right)
+            if product is _UNWEIGHTED:
+                product = weighted(right, left, node.left)
+        if product is not _UNWEIGHTED:
+            scaled = product
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
         else:
@@ -237,8 +239,9 @@ def _text(fr, node) -> str:
 # importable from here too, as it was before events.py was split.
 from synccheck.analyzer.project.event_calls import (_call_target, _factory_by_alts, _forward_by_alts, _freeze,
                                                     _literal_default, call, inline)
-from synccheck.analyzer.project.event_methods import (_COUNT_WORDS, _external, _method, _name, _native_scaler,
-                                                      _scale_call, _unknown, scales_by_count)
+from synccheck.analyzer.project.event_methods import (_COUNT_WORDS, _UNWEIGHTED, _external, _method, _name,
+                                                      _native_scaler, _scale_call, _unknown, scales_by_count,
+                                                      weighted)
 from synccheck.analyzer.project.micro_step import (_each, _owned, _sync_gradients_atom, backward, collective, flag,
                                                    forward, step, zero_grad)
 from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, _is_no_grad_call, _opaque_context,

@@ -121,9 +121,9 @@ class Flow(Loops):
         if t is ast.AugAssign:
             value = self.expr(s.value, st, fr)
             old = self.expr(s.target, st, fr) if isinstance(s.target, (ast.Name, ast.Attribute)) else UNKNOWN_VAL
-            if isinstance(s.op, ast.Mult) and (old.prov or old.scaled is not None) and not value.prov and \
-                    value.scaled is None and not events.scales_by_count(s.value):
-                scaled = old.scaled          # ``loss *= weight``
+            product = events.weighted(old, value, s.value) if isinstance(s.op, ast.Mult) else events._UNWEIGHTED
+            if product is not events._UNWEIGHTED:
+                scaled = product             # ``loss *= weight``
             else:
                 scaled = True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled,
                                                                                                       value.scaled)
