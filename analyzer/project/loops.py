@@ -224,20 +224,21 @@ def _loop_head(node, flow) -> str:
 
 def _steps_each(loop) -> bool:
     """``for opt in opts: opt.step()``: a loop over optimizers, which runs at least once."""
-    if not isinstance(loop.target, ast.Name):
-        return False
-    name = loop.target.id
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step" and
-               isinstance(n.func.value, ast.Name) and n.func.value.id == name
-               for stmt in loop.body for n in ast.walk(stmt))
+    return _acts_on_each(loop, lambda n, name: isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+                         n.func.attr == "step" and isinstance(n.func.value, ast.Name) and n.func.value.id == name)
 
 
 def _flags_each(loop) -> bool:
     """``for m in self.modules.values(): m.require_backward_grad_sync = False``: a loop over the
     wrapped modules, which runs at least once."""
+    return _acts_on_each(loop, lambda n, name: isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and
+                         n.attr == "require_backward_grad_sync" and isinstance(n.value, ast.Name) and
+                         n.value.id == name)
+
+
+def _acts_on_each(loop, acts) -> bool:
+    """Does the body of ``for name in ...:`` hold a node that ``acts(node, name)`` on the loop's name?"""
     if not isinstance(loop.target, ast.Name):
         return False
     name = loop.target.id
-    return any(isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and n.attr == "require_backward_grad_sync"
-               and isinstance(n.value, ast.Name) and n.value.id == name
-               for stmt in loop.body for n in ast.walk(stmt))
+    return any(acts(n, name) for stmt in loop.body for n in ast.walk(stmt))

@@ -11,6 +11,8 @@ import ast
 import re
 from typing import NamedTuple, Optional
 
+from synccheck.analyzer.project import vocabulary as vocab
+
 from synccheck.analyzer.project.values import Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper
 
 class Unwrapped(NamedTuple):
@@ -89,12 +91,13 @@ def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
 
 
 def _is_wrapping_call(call: ast.Call) -> bool:
-    """A call that returns the wrapper itself (or the model moved or compiled): not an outer object."""
+    """A call that returns the wrapper itself (or the model moved, compiled or unwrapped): not an outer
+    object."""
+    from synccheck.analyzer.project.program import WRAP_CALLS
+
     func = call.func
     name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-    return name in ("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "prepare", "prepare_model",
-                    "setup", "setup_module", "compile", "to", "cuda", "half", "float", "bfloat16", "train", "eval",
-                    "unwrap_model", "initialize", "fully_shard")
+    return name in WRAP_CALLS or name in vocab.SELF_RETURNING or name in ("compile", "unwrap_model")
 
 
 def _forwards_through(scope, ctx_call, target) -> bool:
