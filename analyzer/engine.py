@@ -249,7 +249,9 @@ def eager(text: str, rules: Sequence) -> bool:
 
 
 LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_backward_grad_sync")
-# a script whose loop drives a trainer defined elsewhere: ``trainer.mlm_step(batch)``, ``train_one_epoch(...)``
+# a script whose loop drives a trainer defined elsewhere: ``trainer.mlm_step(batch)``, ``train_one_epoch(...)``.
+# The same calls twice on purpose: substrings on the raw bytes of every file (cheap), the regex only on
+# the decoded text of the files that pass them.
 DRIVER_WORDS = (b"_step(", b"fit_batch(", b"train_batch(", b"train_one_epoch(", b"train_epoch(")
 DRIVER_CALL = re.compile(r"\w_step\(|fit_batch\(|train_batch\(|train_one_epoch\(|train_epoch\(")
 
