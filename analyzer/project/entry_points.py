@@ -1,0 +1,168 @@
+"""Micro-steps whose loop is not in view: a trainer's ``train_step(batch)`` that runs a backward on every
+call and steps the optimizer only when its own counter says so (``if self.n_iter % accum == 0``). The
+loop that calls it is in a script we were not given (or in a framework), so the function is analysed
+as the body of a loop: ``for _ in <calls>: <body>``.
+
+Only a function nobody in the linted files calls is such an entry point (a caller in view makes the
+caller's loop the root), and only when a counter test decides its step: a plain ``train_step`` that
+steps on every call accumulates nothing and is left alone.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+_CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
+MAX_DEPTH = 2          # how deep into the functions it calls the counter test is looked for
+
+
+def called_in_view(program, name: str) -> bool:
+    """Is ``name`` called anywhere in the linted files (``self.optimize(loss)``; a ``def`` is not a call)?"""
+    needle, definition = name + "(", "def " + name + "("
+    for module in program.project.modules():
+        if module.linted:
+            text = module.text
+            for match in re.finditer(re.escape(needle), text):
+                start = match.start()
+                if start and (text[start - 1].isalnum() or text[start - 1] == "_"):
+                    continue                       # ``my_optimize(`` is another name
+                if text.startswith(definition, start - 4):
+                    continue
+                return True
+    return False
+
+
+def per_call_step(program, fn) -> bool:
+    """Is ``fn`` a micro-step run by a loop out of view? (See the module's text.)"""
+    if fn.node.name.startswith("__"):
+        return False
+    # cheap first: it, or a function it calls by name, holds a counter test next to a step
+    if not _gates_itself(program, fn) and not _calls_gated(program, fn):
+        return False
+    words = program.fn_words(fn)
+    if "backward" not in words or "step" not in words or called_in_view(program, fn.node.name):
+        return False
+    return _counter_gates_step(program, fn, MAX_DEPTH, set())
+
+
+def _gates_itself(program, fn) -> bool:
+    """Syntax only: an ``if`` on a counter whose branches step (or leave) in ``fn``'s own body."""
+    cache = program.__dict__.setdefault("_gates_itself", {})
+    found = cache.get(fn.uid)
+    if found is None:
+        segment = fn.module.segment(fn.node)
+        found = False
+        if "step(" in segment and ("%" in segment or "+=" in segment):
+            counters = _Counters(program, fn)
+            for node in _walk(fn.node.body):
+                if isinstance(node, ast.If) and _is_counter_test(node.test, counters) and \
+                        any(_is_step_or_exit(n) for part in (node.body, node.orelse) for n in _walk(part)):
+                    found = True
+                    break
+        cache[fn.uid] = found
+    return found
+
+
+def _calls_gated(program, fn) -> bool:
+    """Does ``fn`` call, by name, a function of a parsed module that gates its own step?"""
+    gated = _gated_names(program)
+    if not gated:
+        return False
+    segment = fn.module.segment(fn.node)
+    return any(name + "(" in segment for name in gated) and \
+        not gated.isdisjoint(_CALL_WORD.findall(segment))
+
+
+def _gated_names(program) -> set:
+    state = program.__dict__.setdefault("_gated_names", (set(), set()))
+    scanned, names = state
+    if len(scanned) == len(program.project.by_path):
+        return names
+    for module in program.project.modules():
+        if module.path not in scanned:
+            scanned.add(module.path)
+            if "step(" in module.text:
+                names.update(fn.node.name for fn in module.functions.values() if _gates_itself(program, fn))
+    return names
+
+
+def _is_step_or_exit(node) -> bool:
+    if isinstance(node, (ast.Return, ast.Continue, ast.Break)):
+        return True
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "step"
+
+
+def _counter_gates_step(program, fn, depth: int, seen: set) -> bool:
+    if fn.uid in seen:
+        return False
+    seen.add(fn.uid)
+    counters = _Counters(program, fn)
+    for node in _walk(fn.node.body):
+        if isinstance(node, ast.If) and _is_counter_test(node.test, counters):
+            body, orelse = program.words(node.body, fn), program.words(node.orelse, fn)
+            if ("step" in body) != ("step" in orelse) or \
+                    (("exit" in body or "exit" in orelse) and "step" in program.fn_words(fn)):
+                return True
+        elif isinstance(node, ast.Call) and depth > 0:
+            for target in program.syntactic_targets(node, fn) or ():
+                if "step" in program.fn_words(target) and _counter_gates_step(program, target, depth - 1, seen):
+                    return True
+    return False
+
+
+def _is_counter_test(test, counters: "_Counters") -> bool:
+    """``x % n == 0`` in any form, or a comparison on a counter the class or function increments."""
+    compared = []
+    for node in ast.walk(test):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            return True
+        if isinstance(node, ast.Compare):
+            compared.extend(_dotted(part) for part in [node.left] + list(node.comparators))
+    return any(name and name in counters for name in compared)
+
+
+class _Counters:
+    """Names and ``self.x`` attributes incremented (``+= 1``) in a function or anywhere in its class,
+    collected on the first question (once per class)."""
+
+    def __init__(self, program, fn) -> None:
+        self.scope = fn.cls.node if fn.cls is not None else fn.node
+        self.known = program.__dict__.setdefault("_counters", {})
+
+    def __contains__(self, name: str) -> bool:
+        names = self.known.get(id(self.scope))
+        if names is None:
+            names = self.known[id(self.scope)] = {
+                _dotted(node.target) for node in ast.walk(self.scope)
+                if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)}
+        return name in names
+
+
+def _dotted(node) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return ""
+
+
+def _walk(body):
+    stack = list(reversed(body))
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+                stack.append(child)
+
+
+def per_call_loop(fn) -> ast.For:
+    """``for __call__ in __calls__: <body>``: the loop out of view that calls ``fn`` once per micro-step."""
+    node = fn.node
+    target = ast.Name("__call__", ast.Store())
+    iterated = ast.Name("__calls__", ast.Load())
+    loop = ast.For(target=target, iter=iterated, body=node.body, orelse=[])
+    for part in (loop, target, iterated):
+        ast.copy_location(part, node)
+        part.end_lineno, part.end_col_offset = node.end_lineno, node.end_col_offset
+    return loop
