@@ -14,8 +14,8 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import EnvVal
-from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Ext, Framework, Inner, Inst, Obj, Optim,
-                                               Scaler, Unknown, Wrapper, site_of)
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Const, Ext, Framework, Inner, Inst, Obj,
+                                               Optim, Scaler, Unknown, Wrapper, site_of)
 
 
 def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
@@ -209,7 +209,14 @@ def _scale_call(node) -> bool:
 
 
 def _unknown(vals) -> bool:
-    return all(isinstance(v, (Unknown, Obj, Ext)) for v in vals)
+    """Nothing known about the receiver of a method call. ``None`` and containers (an optimizer-in-
+    backward path keeps ``self._optimizer = None`` or a dict of them) cannot be the receiver of
+    ``.step()``: the path where it is one of those does not run it."""
+    return all(isinstance(v, (Unknown, Obj, Ext)) or _not_a_receiver(v) for v in vals)
+
+
+def _not_a_receiver(v) -> bool:
+    return (isinstance(v, Const) and v.value is None) or isinstance(v, Bag)
 
 
 def _name(node) -> str:
