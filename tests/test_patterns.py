@@ -15,9 +15,7 @@ PATTERNS = Path(__file__).parent / "fixtures" / "patterns"
 
 # what real code does that the analyzer does not model yet (see each folder's README.md)
 KNOWN_GAPS = {
-    "05_lazy_property_wraps_ddp": "a lazy @property that wraps the model in DDP",
     "06_ddp_subclass_with_runtime_base": "a DDP subclass whose base is chosen at run time",
-    "17_chunked_backward_loop_step_in_sibling_method": "backward in __call__, step in a sibling method",
     "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",
     "33_zero_grad_under_loop_invariant_config_guard": "a loop-invariant guard is not split into its two cases",
 }

@@ -166,3 +166,49 @@ def per_call_loop(fn) -> ast.For:
         ast.copy_location(part, node)
         part.end_lineno, part.end_col_offset = node.end_lineno, node.end_col_offset
     return loop
+
+
+# -- a chunked backward whose step is in a sibling method -------------------------------------------------
+# ``trainer(batch)`` splits the batch and runs a backward per chunk; ``trainer.update()`` steps. Users
+# call one after the other, in a loop we do not see (imagen-pytorch's ImagenTrainer).
+
+def sibling_step(program, fn):
+    """The method of ``fn``'s class that steps after ``fn``'s chunk loop, when ``fn`` is such a method
+    (a loop running backward, no step of its own, nobody in the linted files calling it); else None."""
+    if fn.cls is None or fn.parent is not None or not fn.params:
+        return None
+    if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
+        return None
+    words = program.fn_words(fn)
+    if "backward" not in words or "step" in words or "zero_grad" in words:
+        return None
+    if not any("backward" in program.words(loop.body, fn) for loop in _loops(fn.node.body)):
+        return None
+    steppers = [m for m in fn.cls.methods.values()
+                if m is not fn and "step" in program.fn_words(m) and "backward" not in program.fn_words(m)
+                and not m.node.name.startswith("_") and len(m.params) >= 1]
+    return steppers[0] if len(steppers) == 1 else None
+
+
+def then_call(fn, method) -> list:
+    """``fn``'s body, then ``self.<method>()``: one use of the trainer, the chunks and the step."""
+    node = fn.node
+    call = ast.Call(ast.Attribute(ast.Name(fn.params[0], ast.Load()), method.node.name, ast.Load()), [], [])
+    stmt = ast.Expr(call)
+    for part in (stmt, call, call.func, call.func.value):
+        part.lineno, part.col_offset = node.end_lineno, 0
+        part.end_lineno, part.end_col_offset = node.end_lineno, 0
+    body = list(node.body)
+    if body and isinstance(body[-1], ast.Return):
+        # ``return total``: the step comes after it (its value is computed; an early return inside a
+        # branch still leaves without the step)
+        last = body.pop()
+        if last.value is not None:
+            body.append(ast.copy_location(ast.Expr(last.value), last))
+    return body + [stmt]
+
+
+def _loops(body):
+    for node in _walk(body):
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            yield node

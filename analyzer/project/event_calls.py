@@ -15,8 +15,8 @@ from typing import Optional
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
-from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Ext, Func, Inst, NativeScaler, Optim, Wrapper,
-                                               parameter_default)
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inst, NativeScaler, Obj, Optim,
+                                               Unknown, Wrapper, parameter_default)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -68,11 +68,26 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             out = EnvVal(out.alts + r.alts, out.prov | r.prov, out.scaled if out.scaled == r.scaled else None,
                          out.cond if out.cond == r.cond else None)
         return out
+    if _opaque_object(callee) and not _prov(*args, *kws.values()):
+        # an object we cannot see into, called with the model and no output of it: it runs the
+        # model's forward (``loss = self.imagen(x, unet=self.unet)``, ``loss = criterion(model, batch)``)
+        models = frozenset()
+        for a in list(args) + list(kws.values()):
+            models |= flow.program.wrappers(a.values)
+        if models:
+            return forward(flow, node, models, args, kws, st, fr)
     prov = _prov(*args, *kws.values())
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
+
+
+def _opaque_object(callee) -> bool:
+    """An object we know only by where it came from (a parameter, an attribute set from one), called
+    itself -- not a method of something unknown (``ema.update(model)``) nor a function we can read."""
+    return any(isinstance(v, Obj) for v in callee) and \
+        all(isinstance(v, (Unknown, Obj)) or (isinstance(v, Const) and v.value is None) for v in callee)
 
 
 def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:

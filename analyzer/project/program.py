@@ -13,7 +13,7 @@ import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.entry_points import per_call_step
+from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
 from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
 from synccheck.analyzer.project.values import (CALL_WORD, Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values,
                                                Wrapper)
@@ -48,6 +48,7 @@ class Program:
         self._eventful: set = set()      # names of project functions that say ROOT_WORDS
         self._eventful_seen = 0
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view
+        self.then_call: dict = {}        # root uid -> the sibling method that steps after it
 
     def close(self) -> None:
         """Let go of everything (see Project.close): flows point back at this program."""
@@ -112,6 +113,10 @@ class Program:
                     elif ("step" in segment or "backward" in segment or self._calls_eventful(segment)) and \
                             per_call_step(self, fn):
                         self.per_call.add(fn.uid)
+                        out.append(fn)
+                    elif ("for " in segment or "while " in segment) and fn.cls is not None and \
+                            _has_loop(fn.node.body) and (stepper := sibling_step(self, fn)) is not None:
+                        self.then_call[fn.uid] = stepper
                         out.append(fn)
                 top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                            ast.ClassDef))]

@@ -31,7 +31,7 @@ from synccheck.analyzer.project.state import EnvVal, Prop
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
-from synccheck.analyzer.project.entry_points import per_call_loop
+from synccheck.analyzer.project.entry_points import per_call_loop, then_call
 from synccheck.analyzer.project.program import lightning_manual_step
 from synccheck.analyzer.project.loops import MAX_LOOP_ROUNDS, LoopCtx, LoopInfo, Loops, _int, _loop_head, _steps_each
 
@@ -82,6 +82,8 @@ class Flow(Loops):
             body = [_lightning_loop(scope)]
         elif isinstance(scope, Function) and scope.uid in self.program.per_call:
             body = [per_call_loop(scope)]
+        elif isinstance(scope, Function) and scope.uid in self.program.then_call:
+            body = then_call(scope, self.program.then_call[scope.uid])
         st = St({Prop(): TRUE}, {})
         if isinstance(scope, Function):
             for name in scope.params:
