@@ -177,8 +177,6 @@ def sibling_step(program, fn):
     (a loop running backward, no step of its own, nobody in the linted files calling it); else None."""
     if fn.cls is None or fn.parent is not None or not fn.params:
         return None
-    if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
-        return None
     words = program.fn_words(fn)
     if "backward" not in words or "step" in words or "zero_grad" in words:
         return None
@@ -187,7 +185,11 @@ def sibling_step(program, fn):
     steppers = [m for m in fn.cls.methods.values()
                 if m is not fn and "step" in program.fn_words(m) and "backward" not in program.fn_words(m)
                 and not m.node.name.startswith("_") and len(m.params) >= 1]
-    return steppers[0] if len(steppers) == 1 else None
+    if len(steppers) != 1:
+        return None
+    if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
+        return None
+    return steppers[0]
 
 
 def then_call(fn, method) -> list:
