@@ -172,30 +172,42 @@ def per_call_loop(fn) -> ast.For:
 # ``trainer(batch)`` splits the batch and runs a backward per chunk; ``trainer.update()`` steps. Users
 # call one after the other, in a loop we do not see (imagen-pytorch's ImagenTrainer).
 
+OUT_OF_VIEW = "out of view"     # the step after the chunks is in a caller we were not given
+
+
 def sibling_step(program, fn):
-    """The method of ``fn``'s class that steps after ``fn``'s chunk loop, when ``fn`` is such a method
-    (a loop running backward, no step of its own, nobody in the linted files calling it); else None."""
-    if fn.cls is None or fn.parent is not None or not fn.params:
+    """What steps after ``fn``'s chunk loop, when ``fn`` is a function whose loop runs a backward per
+    chunk, with no step or zero_grad of its own, that nobody in the linted files calls: the one public
+    method of its class that steps, else OUT_OF_VIEW (SlowFast's ``contrastive_forward``: a backward per
+    clip, the step in tools/train_net.py); None when ``fn`` is not such a function."""
+    if fn.parent is not None:
         return None
     words = program.fn_words(fn)
     if "backward" not in words or "step" in words or "zero_grad" in words:
         return None
-    if not any("backward" in program.words(loop.body, fn) for loop in _loops(fn.node.body)):
+    loops = [loop for loop in _loops(fn.node.body) if "backward" in program.words(loop.body, fn)]
+    # a retry loop (``try: loss.backward(); break`` / ``except OutOfMemoryError``) runs one backward
+    if not loops or any(isinstance(n, ast.Try) for loop in loops for n in _walk(loop.body)):
         return None
     steppers = [m for m in fn.cls.methods.values()
                 if m is not fn and "step" in program.fn_words(m) and "backward" not in program.fn_words(m)
-                and not m.node.name.startswith("_") and len(m.params) >= 1]
-    if len(steppers) != 1:
+                and not m.node.name.startswith("_") and len(m.params) >= 1] if fn.cls is not None else []
+    if len(steppers) > 1:
         return None
     if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
         return None
-    return steppers[0]
+    return steppers[0] if steppers else OUT_OF_VIEW
 
 
 def then_call(fn, method) -> list:
-    """``fn``'s body, then ``self.<method>()``: one use of the trainer, the chunks and the step."""
+    """``fn``'s body, then ``self.<method>()`` (or a step of an unknown optimizer): the chunks, then
+    the step."""
     node = fn.node
-    call = ast.Call(ast.Attribute(ast.Name(fn.params[0], ast.Load()), method.node.name, ast.Load()), [], [])
+    if method == OUT_OF_VIEW:
+        # ``__optimizer__.step()``: an optimizer we know nothing of, stepping every model
+        call = ast.Call(ast.Attribute(ast.Name("__optimizer__", ast.Load()), "step", ast.Load()), [], [])
+    else:
+        call = ast.Call(ast.Attribute(ast.Name(fn.params[0], ast.Load()), method.node.name, ast.Load()), [], [])
     stmt = ast.Expr(call)
     for part in (stmt, call, call.func, call.func.value):
         part.lineno, part.col_offset = node.end_lineno, 0

@@ -114,8 +114,7 @@ class Program:
                             per_call_step(self, fn):
                         self.per_call.add(fn.uid)
                         out.append(fn)
-                    elif fn.cls is not None and ("for " in segment or "while " in segment) and \
-                            ".step(" in module.segment(fn.cls.node) and \
+                    elif ("for " in segment or "while " in segment) and \
                             ("backward" in segment or self._calls_eventful(segment)) and \
                             _has_loop(fn.node.body) and (stepper := sibling_step(self, fn)) is not None:
                         self.then_call[fn.uid] = stepper
