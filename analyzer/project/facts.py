@@ -43,7 +43,7 @@ class Records:
         self.forwards: dict = {}         # (site, model, decided, by, first, enclosing loops) -> guard
         self.backwards: dict = {}        # site -> Backward
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
-        self.loops_at: dict = {}         # zero_grad site -> ids of the loops it ran in (callers' included)
+        self.loops_at: dict = {}         # zero_grad / step site -> ids of the loops it ran in (callers' included)
         self.window_loops: dict = {}     # loop id -> whether it is a gradient-cache loop (see window_cache)
 
     def node(self, site, module, node) -> None:
@@ -122,7 +122,9 @@ class Population:
         self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index)]
         # a step gated by a counter (``(i + 1) % n == 0``, the last micro-step, ``micro == accum``)
         # means to accumulate; one gated by any other test (``if should_update(...)``) skips steps
-        self.periodic = any(_periodic(flow.atoms.atoms[k], loop) for k in self.gate)
+        self.periodic = any(_periodic(flow.atoms.atoms[k], loop) for k in self.gate) or any(
+            # one step after the micro-steps' loop (a chunk loop inside the iteration): once per run of it
+            kind == "stepped" and _outside(flow, resolver, loop) for _, kind, resolver, _, _ in records)
         kinds = {kind for token, kind, _, across, _ in records if across or token.synced == "managed"}
         # gradients wiped between iterations under a non-counting gate: steps are skipped, not
         # accumulated, whatever else the paths through the iteration do
@@ -163,6 +165,11 @@ _COUNTING = ("accum", "grad_acc", "update_freq", "sync_gradients", "micro", "ite
 def _inside(flow, site, loop) -> bool:
     loops = flow.records.loops_at.get(site)
     return loops is None or loop in loops
+
+
+def _outside(flow, site, loop) -> bool:
+    loops = flow.records.loops_at.get(site)
+    return loops is not None and loop not in loops
 
 
 def _periodic(atom, loop) -> bool:

@@ -134,6 +134,7 @@ def step(flow, node, optims: frozenset, st, fr) -> None:
     gate = _sync_gradients_atom(flow) if managed else None
     # stepping each of several optimizers in a loop is one step, in the loops around that loop
     loops = tuple(i for i in flow.loop_stack if i not in flow.optimizer_loops)
+    flow.records.loops_at.setdefault(site, set()).update(loops)
 
     def transfer(prop, guard):
         flow.records.reached(site, guard)
