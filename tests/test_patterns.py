@@ -15,8 +15,8 @@ PATTERNS = Path(__file__).parent / "fixtures" / "patterns"
 
 # what real code does that the analyzer does not model yet (see each folder's README.md)
 KNOWN_GAPS = {
-    "06_ddp_subclass_with_runtime_base": "a DDP subclass whose base is chosen at run time",
-    "28_forward_through_unwrapped_module_after_prepare": "no rule covers a forward through .module",
+    "28_forward_through_unwrapped_module_after_prepare": "a generator's variable is not bound per element "
+                                                         "(only direct.py's `net = model.module` is found)",
     "33_zero_grad_under_loop_invariant_config_guard": "a loop-invariant guard is not split into its two cases",
 }
 

@@ -15,8 +15,8 @@ from typing import Optional
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
-from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inst, NativeScaler, Obj, Optim,
-                                               Unknown, Wrapper, parameter_default)
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
+                                               Optim, Unknown, Wrapper, parameter_default)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -44,6 +44,9 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     wrappers = flow.program.wrappers(callee)
     if wrappers:
         return forward(flow, node, wrappers, args, kws, st, fr)
+    inner = frozenset(v.wrapper for v in callee if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
+    if inner and all(isinstance(v, Inner) for v in callee):
+        return inner_forward(flow, node, inner, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     results = []
     if len(targets) > 1:
@@ -249,4 +252,4 @@ def _freeze(value: EnvVal):
 from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, _deco, _prov,
                                                _val, expr)
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler
-from synccheck.analyzer.project.micro_step import forward
+from synccheck.analyzer.project.micro_step import forward, inner_forward

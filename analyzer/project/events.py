@@ -200,6 +200,8 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
             for v in value.values:
                 if isinstance(v, Tup) and i < len(v.items):
                     picked |= v.items[i]
+                elif isinstance(v, Bag) and not v.keyed:
+                    picked |= v.items        # unpacking a generator or list: one of its elements
             assign(flow, el, _val(picked or ONE_UNKNOWN, value.prov, value.scaled), stmt, st, fr, version)
     elif t is ast.Attribute:
         if target.attr == "require_backward_grad_sync":

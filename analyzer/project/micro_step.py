@@ -52,6 +52,30 @@ def forward(flow, node, models: frozenset, args, kws, st, fr) -> EnvVal:
     return _val(ONE_UNKNOWN, prov, False)
 
 
+def inner_forward(flow, node, models: frozenset, args, kws, st, fr) -> EnvVal:
+    """``ddp.module(x)``: a forward that bypasses the wrapper, so its backward all-reduces nothing
+    (DDP prepares its reducer in its own forward). A forward through the wrapper already pending on a
+    path (a second loss term through ``.module``) decides that path's backward instead."""
+    prov = models | _prov(*args, *kws.values())
+    if fr.no_grad:
+        return _val(ONE_UNKNOWN)
+    site = site_of(fr.module, node)
+    flow.records.node(site, fr.module, node)
+    flow.records.bypassed.add(site)
+
+    def transfer(prop, guard):
+        pending = {f.model for f in prop.forwards}
+        forwards = list(prop.forwards)
+        for model in sorted(models, key=repr):
+            if model not in pending:
+                forwards.append(Forward(model, "off", site, site))
+                flow.records.forward(site, model, "off", site, prop.first, guard)
+        yield prop._replace(forwards=tuple(forwards)), guard
+
+    _each(st, transfer)
+    return _val(ONE_UNKNOWN, prov, False)
+
+
 def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: frozenset = frozenset()) -> None:
     flow.records.node(site_of(fr.module, node), fr.module, node)
     site = flow.report_site(fr.module, node)

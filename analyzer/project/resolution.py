@@ -155,8 +155,28 @@ class Resolution:
                 sym = self.resolve_expr(klass.module, base)
                 if sym is not None:
                     out.append(sym)
+                elif isinstance(base, ast.Name):
+                    out.extend(self._local_base(klass, base.id))
             klass.bases = out
         return klass.bases
+
+    def _local_base(self, klass: Class, name: str) -> list:
+        """``class Wrapped(ddp_class)`` inside a function that set ``ddp_class = parallel.Distributed
+        DataParallel`` (or another class, on another branch): every class the name is bound to there."""
+        line = klass.node.lineno
+        enclosing = [fn for fn in klass.module.functions.values()
+                     if fn.node.lineno < line <= (fn.node.end_lineno or 0)]
+        if not enclosing:
+            return []
+        fn = max(enclosing, key=lambda f: f.node.lineno)
+        out = []
+        for node in ast.walk(fn.node):
+            if isinstance(node, ast.Assign) and node.lineno < line and \
+                    any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                sym = self.resolve_expr(klass.module, node.value)
+                if sym is not None and sym is not klass:
+                    out.append(sym)
+        return out
 
     def resolve_expr(self, module: Module, expr):
         """A module-level dotted expression (``a.b.C``) to a symbol."""

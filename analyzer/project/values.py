@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import (Class, External, Function, GlobalRef, Module, ModuleRef,
                                                     qualified_name)
 from synccheck.analyzer.project.index import Project
@@ -216,6 +217,9 @@ class Values(ContainerValues, ParameterValues, CallValues):
                 out |= self.expr(call, fn)
         if name in fn.nested:
             out.add(Func(fn.nested[name]))
+        local_class = fn.module.classes.get(f"{fn.qualname}.<locals>.{name}")
+        if local_class is not None:
+            out.add(Cls(local_class))        # ``class Wrapped(ddp_class):`` defined in the function
         out = self._grown(name, out, info, fn)
         for ctx_expr in info.with_as.get(name, ()):
             out |= self.entered(self.expr(ctx_expr, fn))
@@ -260,6 +264,9 @@ class Values(ContainerValues, ParameterValues, CallValues):
         if t is ast.Call:
             return self._memoized(("call", id(node)), lambda: self.call(node, scope))
         if t is ast.IfExp:
+            known = self._type_test(node.test, scope)
+            if known is not None:
+                return self.expr(node.body if known else node.orelse, scope)
             return self.expr(node.body, scope) | self.expr(node.orelse, scope)
         if t is ast.BoolOp:
             return frozenset().union(*(self.expr(v, scope) for v in node.values))
@@ -305,6 +312,27 @@ class Values(ContainerValues, ParameterValues, CallValues):
             return self.expr(node.value, scope)
         return ONE_UNKNOWN
 
+    def _type_test(self, test, scope) -> Optional[bool]:
+        """``isinstance(m, DDP)`` / ``type(m) == DDP`` when every value of ``m`` is a DDP wrapper (True)
+        or none is a wrapper (False); else None."""
+        subject = cls = None
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and \
+                len(test.args) == 2:
+            subject, cls = test.args
+        elif isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Eq, ast.Is)) and \
+                isinstance(test.left, ast.Call) and isinstance(test.left.func, ast.Name) and \
+                test.left.func.id == "type" and len(test.left.args) == 1:
+            subject, cls = test.left.args[0], test.comparators[0]
+        if subject is None or not any(isinstance(v, Ext) and vocab.wrapper_kind(v.qualname) == "ddp"
+                                      for v in self.expr(cls, scope)):
+            return None
+        values = self.expr(subject, scope)
+        if values and all(isinstance(v, Wrapper) and v.kind in ("ddp", "accelerate") for v in values):
+            return True
+        if values and not any(isinstance(v, (Wrapper, Unknown, Obj)) for v in values):
+            return False
+        return None
+
     def unpack(self, values: frozenset, path: tuple, value_node, scope) -> frozenset:
         for index in path:
             out = set()
@@ -314,6 +342,8 @@ class Values(ContainerValues, ParameterValues, CallValues):
                 elif isinstance(v, Obj):
                     # ``text_encoder, vae, unet = load(...)``: still one object each, known by its place
                     out.add(Obj(v.site + (f"[{index}]",)))
+                elif isinstance(v, Bag) and not v.keyed:
+                    out |= v.items           # ``a, b = (f(m) for m in [x, y])``: one of the elements
                 else:
                     out.add(UNKNOWN)
             values = frozenset(out)

@@ -136,6 +136,16 @@ class UnsyncedStep(Rule):
                 step = ctx.text(step_module, step_node) if step_node is not None else "optimizer.step()"
                 autofix = (lambda flow=flow, pop=outcomes, token=token, step_site=step_site:
                            plan.unsynced(flow, pop, token, step_site))
+                if token.by in flow.records.bypassed:
+                    at_module, at_node = ctx.node(flow, token.by)
+                    ctx.report(self, at_module or module, at_node or node,
+                               f"this forward calls the module inside the DDP wrapper "
+                               f"(`{ctx.control_text(flow, token.by)}`), so DDP never prepares its reducer: "
+                               f"the backward all-reduces nothing and the optimizer steps on each rank's own "
+                               f"gradients; ranks silently diverge",
+                               "call the wrapper itself (`model(x)`), not `model.module(x)`, for a forward "
+                               "whose gradients must be all-reduced")
+                    continue
                 if token.forward_outside:
                     how = ctx.control_text(flow, token.by)
                     ctx.report(self, module, node,
