@@ -97,7 +97,7 @@ def _counter_gates_step(program, fn, depth: int, seen: set) -> bool:
         return False
     seen.add(fn.uid)
     counters = _Counters(program, fn)
-    for node in _walk(fn.node.body):
+    for node in _walk(fn.node.body, loops=False):
         if isinstance(node, ast.If) and _is_counter_test(node.test, counters):
             body, orelse = program.words(node.body, fn), program.words(node.orelse, fn)
             if ("step" in body) != ("step" in orelse) or \
@@ -146,13 +146,16 @@ def _dotted(node) -> str:
     return ""
 
 
-def _walk(body):
-    stack = list(reversed(body))
+def _walk(body, loops: bool = True):
+    """The nodes of a body, nested definitions left out; ``loops=False``: loops left out too (a step
+    gated inside a loop of the function is that loop's business, not once per call)."""
+    stack = [n for n in reversed(body) if loops or not isinstance(n, (ast.For, ast.AsyncFor, ast.While))]
     while stack:
         node = stack.pop()
         yield node
         for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and \
+                    (loops or not isinstance(child, (ast.For, ast.AsyncFor, ast.While))):
                 stack.append(child)
 
 
@@ -173,6 +176,8 @@ def per_call_loop(fn) -> ast.For:
 # call one after the other, in a loop we do not see (imagen-pytorch's ImagenTrainer).
 
 OUT_OF_VIEW = "out of view"     # the step after the chunks is in a caller we were not given
+# a module whose chunk loop may be followed by a step out of view says how it trains
+_TRAINING_WORDS = ("optim", "scaler", ".step(", "accumulat")
 
 
 def sibling_step(program, fn):
@@ -180,8 +185,8 @@ def sibling_step(program, fn):
     chunk, with no step or zero_grad of its own, that nobody in the linted files calls: the one public
     method of its class that steps, else OUT_OF_VIEW (SlowFast's ``contrastive_forward``: a backward per
     clip, the step in tools/train_net.py); None when ``fn`` is not such a function."""
-    if fn.parent is not None:
-        return None
+    if fn.parent is not None or fn.node.name.startswith("test"):
+        return None              # a unit test's loop over devices or dtypes runs one backward each
     words = program.fn_words(fn)
     if "backward" not in words or "step" in words or "zero_grad" in words:
         return None
@@ -192,7 +197,7 @@ def sibling_step(program, fn):
     steppers = [m for m in fn.cls.methods.values()
                 if m is not fn and "step" in program.fn_words(m) and "backward" not in program.fn_words(m)
                 and not m.node.name.startswith("_") and len(m.params) >= 1] if fn.cls is not None else []
-    if len(steppers) > 1:
+    if len(steppers) > 1 or (not steppers and not any(w in fn.module.text for w in _TRAINING_WORDS)):
         return None
     if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
         return None
