@@ -270,6 +270,10 @@ class _RankChecker:
             if isinstance(op, (ast.NotEq, ast.NotIn, ast.IsNot)) or (isinstance(op, ast.Gt) and zeroish):
                 return "other"
             return None
+        if isinstance(test, ast.IfExp):
+            # ``a if fs_is_local else b``: a rank test when both cases are the same one
+            body, orelse = self.polarity(test.body, scope, depth + 1), self.polarity(test.orelse, scope, depth + 1)
+            return body if body == orelse else None
         if isinstance(test, (ast.Name, ast.Attribute, ast.Call)):
             node = test.func if isinstance(test, ast.Call) else test
             text = ast.unparse(node)
@@ -293,11 +297,26 @@ class _RankChecker:
             return None
         method = self.program.project.attribute(scope.cls, node.attr)
         if not isinstance(method, Function):
-            return None
+            return self._stored_once(scope.cls, node.attr)
         body = [s for s in method.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
             return body[0].value, method
         return None
+
+    def _stored_once(self, klass, attr: str):
+        """``self.can_checkpoint = self.is_local_main if ... else self.is_main``: the one expression the
+        class's methods store in the attribute, with the method that stores it; None otherwise."""
+        found = []
+        for method in klass.methods.values():
+            if not method.params:
+                continue
+            for node in ast.walk(method.node):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                    target = node.targets[0]
+                    if isinstance(target, ast.Attribute) and target.attr == attr and \
+                            isinstance(target.value, ast.Name) and target.value.id == method.params[0]:
+                        found.append((node.value, method))
+        return found[0] if len(found) == 1 else None
 
     def _bound(self, name: ast.Name, scope) -> tuple:
         """(the expression a name is bound to unconditionally, its scope), or (None, None)."""
