@@ -16,6 +16,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.traversal import children, walk
 
 BOTH = (TRUE, TRUE)
 
@@ -34,13 +35,13 @@ def free_names(node) -> list:
             if chain is not None:
                 out.append(chain)
                 continue
-        stack.extend(ast.iter_child_nodes(n))
+        stack.extend(children(n))
     return out
 
 
 def volatile(node) -> bool:
     """A test whose value may change without any name being rebound (a call, an item of a batch)."""
-    return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in ast.walk(node))
+    return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in walk(node))
 
 
 class Conditions:
@@ -96,7 +97,7 @@ class Conditions:
         elif t is ast.Compare:
             # events inside a comparison (a call in ``if step(x) == 0``) still happen
             for sub in [node.left] + list(node.comparators):
-                if any(isinstance(n, ast.Call) for n in ast.walk(sub)):
+                if any(isinstance(n, ast.Call) for n in walk(sub)):
                     self.flow.expr(sub, st, fr)
             folded = self._fold(node, fr)
             if folded is not None:

@@ -18,6 +18,7 @@ from synccheck.analyzer.project.guards import TRUE, exists
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import ONE_UNKNOWN
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.traversal import walk
 
 MAX_LOOP_ROUNDS = 6
 
@@ -32,7 +33,7 @@ class LoopInfo:
         self.counter = None
         self.bound = None
         self.start = 0
-        self.ids = {id(n) for n in ast.walk(node)}
+        self.ids = {id(n) for n in walk(node)}
         if isinstance(node, (ast.For, ast.AsyncFor)):
             target, it = node.target, node.iter
             if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
@@ -176,7 +177,7 @@ class Loops:
         key = ("rebound", info.id)
         if key not in self.memo:
             names = set()
-            for n in ast.walk(info.node):
+            for n in walk(info.node):
                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                     names.add(n.id)
                 elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
@@ -241,4 +242,4 @@ def _acts_on_each(loop, acts) -> bool:
     if not isinstance(loop.target, ast.Name):
         return False
     name = loop.target.id
-    return any(acts(n, name) for stmt in loop.body for n in ast.walk(stmt))
+    return any(acts(n, name) for stmt in loop.body for n in walk(stmt))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from typing import NamedTuple, Optional
 
+from synccheck.analyzer.project.traversal import walk
+
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 
@@ -162,6 +164,64 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
                 _statements(case.body, info, self_name, False)
 
 
+def attribute_stores(body: list, self_name: Optional[str]) -> list:
+    """``scope_info(body, ..., self_name).obj_attrs`` without the rest of what a scope binds: the
+    ``obj.attr = value`` stores, read from the same statements in the same order (assignments only;
+    nested functions and classes are not entered, nor are expressions)."""
+    out: list = []
+    _attribute_stores(body, self_name, out)
+    return out
+
+
+def scope_attribute_stores(scope) -> list:
+    """The ``obj.attr = value`` stores of a function or module (project.definitions), from its
+    ScopeInfo when that was read already."""
+    if scope.info is not None:
+        return scope.info.obj_attrs
+    node = getattr(scope, "node", None)
+    if node is None:
+        return attribute_stores(scope.tree.body, None)
+    return attribute_stores(node.body, scope.params[0] if scope.is_method and scope.params else None)
+
+
+def _attribute_stores(body, self_name, out: list) -> None:
+    for stmt in body:
+        t = type(stmt)
+        if t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef:
+            continue
+        if t is ast.Assign:
+            for target in stmt.targets:
+                _store_targets(target, stmt.value, (), self_name, out)
+        elif t is ast.AnnAssign:
+            if stmt.value is not None:
+                _store_targets(stmt.target, stmt.value, (), self_name, out)
+        elif t is ast.Expr or t is ast.Return or t is ast.AugAssign or t is ast.Pass or t is ast.Import or \
+                t is ast.ImportFrom:
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(stmt, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                _attribute_stores(block, self_name, out)
+        for handler in getattr(stmt, "handlers", ()):
+            _attribute_stores(handler.body, self_name, out)
+        if isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                _attribute_stores(case.body, self_name, out)
+
+
+def _store_targets(target, value, path: tuple, self_name, out: list) -> None:
+    """The obj_attrs part of ``_bind``."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        for i, el in enumerate(target.elts):
+            if not isinstance(el, ast.Starred):
+                _store_targets(el, value, path + (i,), self_name, out)
+    elif isinstance(target, ast.Attribute):
+        if not (self_name and isinstance(target.value, ast.Name) and target.value.id == self_name):
+            out.append((target.value, target.attr, value, path))
+    elif isinstance(target, ast.Starred):
+        _store_targets(target.value, value, path, self_name, out)
+
+
 def _unconditional(stmt, field: str) -> bool:
     """Does this block of ``stmt`` run whenever ``stmt`` does? (``with`` bodies, ``try`` bodies and
     ``finally``, the body of ``if __name__ == "__main__":``.)"""
@@ -223,7 +283,7 @@ def _names(target) -> list:
 def _expr(node, info: ScopeInfo) -> None:
     """Calls (for the call-site index), yields and walrus bindings of an expression; lambdas and
     comprehensions' own scopes are still walked for calls (a call is a call wherever it sits)."""
-    for sub in ast.walk(node):
+    for sub in walk(node):
         t = type(sub)
         if t is ast.Call:
             info.calls.append(sub)

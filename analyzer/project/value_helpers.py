@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from synccheck.analyzer.project.definitions import Class, External, Function, Module, ModuleRef
 from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Cls, Const, Ext, Mod, _cap
+from synccheck.analyzer.project.traversal import children, walk
 
 if TYPE_CHECKING:
     from synccheck.analyzer.project.values import Values
@@ -27,12 +28,14 @@ def _calls_named(module: Module, name: str, lines: list) -> list:
     """The calls of ``name`` in a module, with the scope (function or module) each is in: a walk that
     enters only the nodes that span one of ``lines`` (where the text says ``name(``), so a big
     module costs what its matches cost."""
-    scopes = {id(fn.node): fn for fn in module.functions.values()}
+    scopes = module.derived.get("scope by node")
+    if scopes is None:
+        scopes = module.derived["scope by node"] = {id(fn.node): fn for fn in module.functions.values()}
     out = []
     stack = [(module.tree, module)]
     while stack:
         node, scope = stack.pop()
-        for child in ast.iter_child_nodes(node):
+        for child in children(node):
             first = getattr(child, "lineno", None)
             if first is not None:
                 decorators = getattr(child, "decorator_list", None)
@@ -54,8 +57,10 @@ def _calls_named(module: Module, name: str, lines: list) -> list:
     return out
 
 
-# ``name(`` in source text: a call of name (or its def), found without a parse
-CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
+# ``name(`` in source text: a call of name (or its def), found without a parse. The look-behind changes
+# no match (a match never starts right after a letter: it would have started at that letter), only
+# the cost: without it every position inside a word began a match that scanned the rest of the word.
+CALL_WORD = re.compile(r"(?<![A-Za-z_])([A-Za-z_]\w*)\s*\(")
 
 
 def _call_lines(module: Module) -> dict:
@@ -81,6 +86,64 @@ def _call_lines(module: Module) -> dict:
                 bucket.append(line)
         module._call_lines = table
     return table
+
+
+_WORD_CHAR = re.compile(r"\w")
+_OPEN_PAREN = re.compile(r"\s*\(")
+_NAME_HEAD = re.compile(r"[A-Za-z_]\w*\Z")
+
+
+def call_lines(module: Module, name: str) -> list:
+    """``_call_lines(module).get(name, [])``, the lines of one name only: the words the module calls
+    are read once (a set, no line numbers), and the lines of a word it does call from the places the
+    text says it, each kept when ``CALL_WORD.finditer`` would match ``name(`` there.
+
+    A match of CALL_WORD is the first ASCII letter or underscore of a run of word characters up to a
+    ``(``: ``name`` at ``at`` is one when no such letter is before it in its run (``xname(`` is the
+    word ``xname``; ``2name(`` is ``name``), no word character follows it, and ``\\s*(`` does."""
+    words = module.derived.get("call words")
+    if words is None:
+        words = module.derived["call words"] = set(CALL_WORD.findall(module.text))
+    if name not in words:
+        return []
+    cache = module.derived.setdefault("call lines", {})
+    found = cache.get(name)
+    if found is not None:
+        return found
+    found = []
+    text = module.text
+    if _NAME_HEAD.match(name):
+        find, word, paren = text.find, _WORD_CHAR.match, _OPEN_PAREN.match
+        size, end = len(name), len(text)
+        line, counted = 1, 0
+        at = find(name)
+        while at != -1:
+            after = at + size
+            if (after == end or not word(text, after)) and paren(text, after) and _run_starts(text, at):
+                line += text.count("\n", counted, at)
+                counted = at
+                if not found or found[-1] != line:
+                    found.append(line)
+            at = find(name, at + 1)
+    cache[name] = found
+    return found
+
+
+def _run_starts(text: str, at: int) -> bool:
+    """Is ``at`` where a match of ``[A-Za-z_]\\w*`` scanning the text would begin: no ASCII letter or
+    underscore before it in its run of word characters?"""
+    i = at - 1
+    while i >= 0:
+        c = text[i]
+        if c.isascii():
+            if c.isalpha() or c == "_":
+                return False
+            if not c.isdigit():
+                return True
+        elif not (c.isalnum()):
+            return True
+        i -= 1
+    return True
 
 
 def _strings(node, info, depth: int = 0) -> list:
@@ -131,7 +194,7 @@ def _reaching(assigns, reach) -> list:
 
 
 def _mentions(node, name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+    return any(isinstance(n, ast.Name) and n.id == name for n in walk(node))
 
 
 def _class_attrs(values: "Values", klass: Class) -> dict:
@@ -250,7 +313,7 @@ def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:
     """The receivers of ``.parameters()`` / ``.named_parameters()`` in an optimizer's first argument,
     following a local name to its assignments once or twice (``params = model.parameters()``)."""
     out = []
-    for node in ast.walk(arg):
+    for node in walk(arg):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("parameters", "named_parameters"):
             receiver = node.func.value
