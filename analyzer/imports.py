@@ -64,26 +64,25 @@ def line_matches(pattern, data, keyword) -> list:
 
 
 def module_paths(path: str, level: int, name: str, roots: list) -> list:
-    """Files ``import name`` (with ``level`` leading dots) may load, from the file at ``path``. Kept for
-    an absolute path (a function of the arguments and of the package roots, which are kept too):
-    the same import lines are looked up for every component and every importers() query."""
-    if not os.path.isabs(path):
-        return _module_paths(path, level, name, roots)
-    key = (path, level, name, tuple(roots))
+    """Files ``import name`` (with ``level`` leading dots) may load, from the file at ``path``. Kept per
+    folder (a function of the folder, the arguments and the package roots, which are kept too): the
+    files of a folder import the same modules, and the same import lines are looked up for every
+    component and every importers() query."""
+    here = os.path.dirname(os.path.abspath(path))
+    key = (here, level, name, tuple(roots))
     found = _module_paths_cache.get(key)
     if found is None:
         if len(_module_paths_cache) > 200_000:
             _module_paths_cache.clear()
-        found = _module_paths_cache[key] = _module_paths(path, level, name, roots)
+        found = _module_paths_cache[key] = _module_paths(here, level, name, roots)
     return found
 
 
 _module_paths_cache: dict = {}
 
 
-def _module_paths(path: str, level: int, name: str, roots: list) -> list:
+def _module_paths(here: str, level: int, name: str, roots: list) -> list:
     parts = name.split(".") if name else []
-    here = os.path.dirname(os.path.abspath(path))
     if level:
         base = here
         for _ in range(level - 1):

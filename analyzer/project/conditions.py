@@ -50,6 +50,7 @@ class Conditions:
     def __init__(self, flow) -> None:
         self.flow = flow
         self.atoms = flow.atoms
+        self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -121,10 +122,13 @@ class Conditions:
         else:
             atom = last
         if atom is None:
-            text = _text(fr, node)
-            mod = mod_form(node) if isinstance(node, ast.Compare) else None
-            versions = tuple(self.flow.version(n, st) for n in free_names(node))
-            dump = ast.dump(node)
+            # what the test's syntax says, read once per test (a loop's tests are read every turn)
+            read = self._read.get(id(written))
+            if read is None or read[0] is not written or read[1] is not fr.module:
+                read = self._read[id(written)] = (written, fr.module, _text(fr, node), mod_form(node) if isinstance(
+                    node, ast.Compare) else None, free_names(node), ast.dump(node), volatile(node))
+            _, _, text, mod, names, dump, changes = read
+            versions = tuple(self.flow.version(n, st) for n in names)
             if mod is not None:
                 key = ("MOD", mod, versions)
                 atom = self.atoms.get(key, text, ((mod[0], versions), mod[1], mod[2]))
@@ -136,7 +140,7 @@ class Conditions:
                 atom.negated = _text(fr, written)       # `i % n != 0`, as the code says it
             if atom.counter is None and mod is not None:
                 atom.counter = self.flow.counter_loop(mod[0], fr)
-            self.flow.note_atom(atom, versions, volatile(node) or fr.depth > 0)
+            self.flow.note_atom(atom, versions, changes or fr.depth > 0)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
 

@@ -377,7 +377,7 @@ class Values(ContainerValues, ParameterValues, CallValues):
             for scope in [module] + list(module.functions.values()):
                 # the stores first (a scope that makes none adds nothing whatever its text says), then
                 # the text of the function, as the scope's whole ScopeInfo used to be read for them
-                found = scope_attribute_stores(scope)
+                found = scope_attribute_stores(scope).obj_attrs
                 if not found or (isinstance(scope, Function) and
                                  not _OUTSIDE_STORE.search(module.segment(scope.node))):
                     continue
