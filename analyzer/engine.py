@@ -244,8 +244,7 @@ def eager(text: str, rules: Sequence) -> bool:
     analysis needs them (an import, a caller, a base class)."""
     if any(r.code != "SC000" and (r.wants(text) or r.reaches(text)) for r in rules):
         return True
-    return ("for " in text or "while " in text) and (any(w in text for w in LOOP_WORDS) or
-                                                     DRIVER_CALL.search(text) is not None)
+    return ("for " in text or "while " in text) and (any(w in text for w in LOOP_WORDS) or _driver_call(text))
 
 
 LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_backward_grad_sync")
@@ -254,6 +253,20 @@ LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_bac
 # the decoded text of the files that pass them.
 DRIVER_WORDS = (b"_step(", b"fit_batch(", b"train_batch(", b"train_one_epoch(", b"train_epoch(")
 DRIVER_CALL = re.compile(r"\w_step\(|fit_batch\(|train_batch\(|train_one_epoch\(|train_epoch\(")
+_WORD_CHAR = re.compile(r"\w")
+
+
+def _driver_call(text: str) -> bool:
+    """``DRIVER_CALL.search(text) is not None``, with str.find: a regex whose every branch may start at
+    any word character is tried at every position of the text."""
+    if any(w in text for w in ("fit_batch(", "train_batch(", "train_one_epoch(", "train_epoch(")):
+        return True
+    at = text.find("_step(", 1)
+    while at != -1:
+        if _WORD_CHAR.match(text, at - 1):
+            return True
+        at = text.find("_step(", at + 1)
+    return False
 
 
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:

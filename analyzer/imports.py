@@ -25,7 +25,7 @@ def imported_names(data: bytes) -> list:
     """(level, dotted name) of every module an import line may name: ``from a import b`` gives a and
     a.b (b may be a submodule)."""
     out = []
-    for level, module, names in _FROM.findall(data):
+    for level, module, names in line_matches(_FROM, data, b"from"):
         level = len(level)
         mod = module.decode("ascii", "ignore")
         if mod or level:
@@ -34,7 +34,7 @@ def imported_names(data: bytes) -> list:
             name = name.split()[0].decode("ascii", "ignore")
             if name != "as":
                 out.append((level, f"{mod}.{name}" if mod else name))
-    for names in _IMPORT.findall(data):
+    for names in line_matches(_IMPORT, data, b"import"):
         for part in names.split(b","):
             name = part.strip().split()[0].decode("ascii", "ignore") if part.strip() else ""
             if name:
@@ -42,10 +42,47 @@ def imported_names(data: bytes) -> list:
     return out
 
 
+def line_matches(pattern, data, keyword) -> list:
+    """``pattern.findall(data)`` for a multi-line pattern that begins ``^[ \\t]*keyword`` (bytes or
+    str): the regex is tried only where a line starts with the keyword (found with find), not at
+    every character, and a match that spans lines (a parenthesized import) hides the lines it covers,
+    as findall's scan would."""
+    out = []
+    newline, blanks = (b"\n", b" \t") if isinstance(data, bytes) else ("\n", " \t")
+    find, match = data.find, pattern.match
+    done = 0                    # where the last match ended: findall goes on from there
+    at = find(keyword)
+    while at != -1:
+        start = data.rfind(newline, 0, at) + 1
+        if start >= done and not data[start:at].strip(blanks):
+            m = match(data, start)
+            if m is not None:
+                out.append(m.groups() if pattern.groups > 1 else m.group(1))
+                done = m.end() if m.end() > start else start + 1
+        at = find(keyword, at + 1)
+    return out
+
+
 def module_paths(path: str, level: int, name: str, roots: list) -> list:
-    """Files ``import name`` (with ``level`` leading dots) may load, from the file at ``path``."""
-    parts = name.split(".") if name else []
+    """Files ``import name`` (with ``level`` leading dots) may load, from the file at ``path``. Kept per
+    folder (a function of the folder, the arguments and the package roots, which are kept too): the
+    files of a folder import the same modules, and the same import lines are looked up for every
+    component and every importers() query."""
     here = os.path.dirname(os.path.abspath(path))
+    key = (here, level, name, tuple(roots))
+    found = _module_paths_cache.get(key)
+    if found is None:
+        if len(_module_paths_cache) > 200_000:
+            _module_paths_cache.clear()
+        found = _module_paths_cache[key] = _module_paths(here, level, name, roots)
+    return found
+
+
+_module_paths_cache: dict = {}
+
+
+def _module_paths(here: str, level: int, name: str, roots: list) -> list:
+    parts = name.split(".") if name else []
     if level:
         base = here
         for _ in range(level - 1):

@@ -13,6 +13,8 @@ import ast
 import re
 from typing import Optional, Tuple
 
+from synccheck.analyzer.project.traversal import walk
+
 _CODES = r"(?:\[([A-Za-z0-9_,\s-]*)\])?"
 SUPPRESS = re.compile(r"#\s*synccheck:\s*ignore(?!-)" + _CODES)
 SUPPRESS_FILE = re.compile(r"#\s*synccheck:\s*ignore-file" + _CODES)
@@ -73,7 +75,7 @@ def suppressed(text: str, findings: list, tree: Optional[ast.AST] = None) -> lis
 def _block_headers(tree: ast.AST, lines: list) -> list:
     """(first line, last header line, last line) of every ``with`` / ``for`` / ``while`` block."""
     out = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, (ast.For, ast.AsyncFor)):
             parts = [node.target, node.iter]
         elif isinstance(node, ast.While):

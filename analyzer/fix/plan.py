@@ -12,6 +12,7 @@ import ast
 from synccheck.analyzer.fix.schedule import (always_wrapped, boundary, forwards, model_text, null_context, pos, stable_from,
                                              static_graph, step_nodes)
 from synccheck.analyzer.fix.syntax import NoFix, Tree, check_stable, text
+from synccheck.analyzer.project.traversal import walk
 
 
 def build(module, message: str, applicability: str, make) -> dict:
@@ -141,7 +142,7 @@ def _accelerate(module, back, bound, first, last, name) -> list:
     accelerator = _receiver(module, back, "backward")
     if bound.inner or bound.count is None:
         raise NoFix("the number of micro-steps per optimizer step is not written in the step's condition")
-    builds = [n for n in ast.walk(module.tree) if isinstance(n, ast.Call) and
+    builds = [n for n in walk(module.tree) if isinstance(n, ast.Call) and
               (getattr(n.func, "id", None) == "Accelerator" or getattr(n.func, "attr", None) == "Accelerator")]
     if len(builds) != 1:
         raise NoFix("the Accelerator is not built exactly once in this file")
@@ -303,7 +304,7 @@ def _assigned_context(tree, with_stmt, name: str):
     assigns = [s for s in before if isinstance(s, ast.Assign) and len(s.targets) == 1
                and isinstance(s.targets[0], ast.Name) and s.targets[0].id == name]
     loop = tree.enclosing_loop(with_stmt)
-    others = [n for n in ast.walk(loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
+    others = [n for n in walk(loop) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)]
     if len(assigns) != 1 or len(others) != 1:
         raise NoFix(f"`{name}` is not assigned once, just before the `with`")
     return assigns[0].value

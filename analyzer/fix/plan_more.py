@@ -8,6 +8,7 @@ import re
 from synccheck.analyzer.fix.plan import build
 from synccheck.analyzer.fix.schedule import boundary, pos, step_nodes
 from synccheck.analyzer.fix.syntax import NoFix, Tree, check_stable, end_position, text
+from synccheck.analyzer.project.traversal import walk
 
 
 def wiped(flow, pop, zero_site) -> dict:
@@ -90,13 +91,13 @@ def set_epoch(program, found) -> dict:
             raise NoFix("the sampler is not bound to a plain name")
         tree = Tree.of(module)
         scope = _scope(tree, call)
-        loops = [n for n in ast.walk(module.tree) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
+        loops = [n for n in walk(module.tree) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
                  and "epoch" in n.target.id.lower() and _scope(tree, n) is scope and n.lineno > call.lineno
-                 and any(isinstance(x, (ast.For, ast.While)) for s in n.body for x in ast.walk(s))]
+                 and any(isinstance(x, (ast.For, ast.While)) for s in n.body for x in walk(s))]
         if len(loops) != 1:
             raise NoFix("there is not exactly one epoch loop after the sampler in the same function")
         loop = loops[0]
-        if loop.target.id in {n.id for s in loop.body for n in ast.walk(s)
+        if loop.target.id in {n.id for s in loop.body for n in walk(s)
                               if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}:
             raise NoFix("the epoch loop reassigns its epoch variable")
         return [("before", pos(module, loop.body[0]), f"{name}.set_epoch({loop.target.id})")]
@@ -118,7 +119,7 @@ def accumulate_steps(program, found) -> dict:
     module = found.module
 
     def make():
-        builds = [n for n in ast.walk(module.tree) if isinstance(n, ast.Call) and
+        builds = [n for n in walk(module.tree) if isinstance(n, ast.Call) and
                   (getattr(n.func, "id", None) == "Accelerator" or getattr(n.func, "attr", None) == "Accelerator")]
         if len(builds) != 1:
             raise NoFix("the Accelerator is not built exactly once in this file")
@@ -126,7 +127,7 @@ def accumulate_steps(program, found) -> dict:
         if any(k.arg is None for k in made.keywords) or any(isinstance(a, ast.Starred) for a in made.args):
             raise NoFix("the Accelerator's arguments are unpacked from a mapping")
         names = {}
-        for n in ast.walk(module.tree):
+        for n in walk(module.tree):
             if isinstance(n, (ast.Name, ast.Attribute)) and isinstance(n.ctx, ast.Load):
                 last = n.id if isinstance(n, ast.Name) else n.attr
                 if ACCUM_NAME.match(last) and not (isinstance(n, ast.Attribute) and
@@ -150,7 +151,7 @@ def _bound_before(tree, module, name: str, at) -> bool:
     scope = _scope(tree, at)
     if scope is not None and name in {a.arg for a in scope.args.args + scope.args.kwonlyargs}:
         return True
-    for n in ast.walk(scope or module.tree):
+    for n in walk(scope or module.tree):
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store) and n.lineno < at.lineno \
                 and _scope(tree, n) is scope:
             return True

@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 
 from synccheck.analyzer.fix.syntax import (LOOPS, NoFix, Tree, check_pure, check_stable, in_cond, negate,
                                            position, text)
+from synccheck.analyzer.project.traversal import walk
 
 
 class Boundary(NamedTuple):
@@ -119,7 +120,7 @@ def _inner(module, tree, loop, step) -> Boundary:
     count = args[0]
     check_pure(count)
     check_stable(count, loop.body)
-    if loop.target.id in {n.id for s in loop.body for n in ast.walk(s) if isinstance(n, ast.Name)
+    if loop.target.id in {n.id for s in loop.body for n in walk(s) if isinstance(n, ast.Name)
                           and isinstance(n.ctx, ast.Store)}:
         raise NoFix(f"the loop assigns its own counter `{loop.target.id}`")
     n_text = text(module, count)
@@ -169,7 +170,7 @@ def stable_from(module, bound: Boundary, start_stmt) -> Boundary:
     rest = [s for s in stmts if not (isinstance(s, ast.AugAssign) and isinstance(s.target, ast.Name)
                                      and s.target.id in steps)]
     check_stable(test, rest)
-    if not steps or not (set(steps) & {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}):
+    if not steps or not (set(steps) & {n.id for n in walk(test) if isinstance(n, ast.Name)}):
         return bound
     import copy
 
@@ -209,7 +210,7 @@ def wrap_call(flow, wrapper) -> tuple:
     module = project.by_path.get(path) or next((m for m in project.modules() if m.path == path), None)
     if module is None or getattr(module, "tree", None) is None:
         return None, None
-    call = next((n for n in ast.walk(module.tree) if isinstance(n, ast.Call) and n.lineno == line
+    call = next((n for n in walk(module.tree) if isinstance(n, ast.Call) and n.lineno == line
                  and n.col_offset == col), None)
     return (module, call) if call is not None else (None, None)
 

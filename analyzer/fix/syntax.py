@@ -6,6 +6,7 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.traversal import walk
 
 LOOPS = (ast.For, ast.AsyncFor, ast.While)
 BLOCK_FIELDS = ("body", "orelse", "finalbody")
@@ -23,7 +24,7 @@ class Tree:
         # until the collector runs (the analysis turns it off; see engine._analyse_component)
         self.parent: dict = {}
         self.block_of: dict = {}      # statement -> (owner node, field name)
-        for node in ast.walk(module.tree):
+        for node in walk(module.tree):
             for field, value in ast.iter_fields(node):
                 if isinstance(value, list):
                     for child in value:
@@ -132,7 +133,7 @@ SAFE_CALLS = ("len", "min", "max", "int", "abs")
 
 def check_pure(cond) -> None:
     """A condition that may be evaluated once more, earlier: no call with effects, no assignment."""
-    for n in ast.walk(cond):
+    for n in walk(cond):
         if isinstance(n, (ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom, ast.Lambda)):
             raise NoFix("the step's condition has side effects")
         if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Name) and n.func.id in SAFE_CALLS):
@@ -143,7 +144,7 @@ def stored(stmts) -> set:
     """Dotted names (``i``, ``self.step``) assigned anywhere in these statements."""
     out = set()
     for stmt in stmts:
-        for n in ast.walk(stmt):
+        for n in walk(stmt):
             targets = []
             if isinstance(n, ast.Assign):
                 targets = n.targets
@@ -156,7 +157,7 @@ def stored(stmts) -> set:
             elif isinstance(n, (ast.With, ast.AsyncWith)):
                 targets = [i.optional_vars for i in n.items if i.optional_vars is not None]
             for t in targets:
-                for sub in ast.walk(t):
+                for sub in walk(t):
                     if isinstance(sub, (ast.Name, ast.Attribute)):
                         dotted = _dotted(sub)
                         if dotted:
@@ -165,7 +166,7 @@ def stored(stmts) -> set:
 
 
 def used(cond) -> set:
-    return {d for d in (_dotted(n) for n in ast.walk(cond) if isinstance(n, (ast.Name, ast.Attribute))) if d}
+    return {d for d in (_dotted(n) for n in walk(cond) if isinstance(n, (ast.Name, ast.Attribute))) if d}
 
 
 def check_stable(cond, stmts) -> None:

@@ -16,6 +16,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.traversal import children, walk
 
 BOTH = (TRUE, TRUE)
 
@@ -34,13 +35,13 @@ def free_names(node) -> list:
             if chain is not None:
                 out.append(chain)
                 continue
-        stack.extend(ast.iter_child_nodes(n))
+        stack.extend(children(n))
     return out
 
 
 def volatile(node) -> bool:
     """A test whose value may change without any name being rebound (a call, an item of a batch)."""
-    return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in ast.walk(node))
+    return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in walk(node))
 
 
 class Conditions:
@@ -49,6 +50,7 @@ class Conditions:
     def __init__(self, flow) -> None:
         self.flow = flow
         self.atoms = flow.atoms
+        self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -96,7 +98,7 @@ class Conditions:
         elif t is ast.Compare:
             # events inside a comparison (a call in ``if step(x) == 0``) still happen
             for sub in [node.left] + list(node.comparators):
-                if any(isinstance(n, ast.Call) for n in ast.walk(sub)):
+                if any(isinstance(n, ast.Call) for n in walk(sub)):
                     self.flow.expr(sub, st, fr)
             folded = self._fold(node, fr)
             if folded is not None:
@@ -120,10 +122,13 @@ class Conditions:
         else:
             atom = last
         if atom is None:
-            text = _text(fr, node)
-            mod = mod_form(node) if isinstance(node, ast.Compare) else None
-            versions = tuple(self.flow.version(n, st) for n in free_names(node))
-            dump = ast.dump(node)
+            # what the test's syntax says, read once per test (a loop's tests are read every turn)
+            read = self._read.get(id(written))
+            if read is None or read[0] is not written or read[1] is not fr.module:
+                read = self._read[id(written)] = (written, fr.module, _text(fr, node), mod_form(node) if isinstance(
+                    node, ast.Compare) else None, free_names(node), ast.dump(node), volatile(node))
+            _, _, text, mod, names, dump, changes = read
+            versions = tuple(self.flow.version(n, st) for n in names)
             if mod is not None:
                 key = ("MOD", mod, versions)
                 atom = self.atoms.get(key, text, ((mod[0], versions), mod[1], mod[2]))
@@ -135,7 +140,7 @@ class Conditions:
                 atom.negated = _text(fr, written)       # `i % n != 0`, as the code says it
             if atom.counter is None and mod is not None:
                 atom.counter = self.flow.counter_loop(mod[0], fr)
-            self.flow.note_atom(atom, versions, volatile(node) or fr.depth > 0)
+            self.flow.note_atom(atom, versions, changes or fr.depth > 0)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
 

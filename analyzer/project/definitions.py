@@ -80,6 +80,7 @@ class Module:
         self.classes: dict = {}      # qualname -> Class
         self.top: dict = {}          # top-level name -> Function | Class
         self.globals: dict = {}      # top-level name -> [value expressions]
+        self.derived: dict = {}      # what the analysis read off the tree and text once, kept with them
         self._index()
 
     def __repr__(self) -> str:

@@ -24,6 +24,7 @@ from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Bag, Const, CtxFactory, Inst, Tup, site_of
+from synccheck.analyzer.project.traversal import children, walk
 
 
 class FlowCtx(NamedTuple):
@@ -128,8 +129,8 @@ def expr(flow, node, st, fr) -> EnvVal:
         if fr.loops or fr.depth:
             true, false = flow.conds.cond(node, st, fr, True)
             return _val(ONE_UNKNOWN, cond=(true, false))
-        for sub in ast.iter_child_nodes(node):
-            if isinstance(sub, ast.expr) and any(isinstance(n, ast.Call) for n in ast.walk(sub)):
+        for sub in children(node):
+            if isinstance(sub, ast.expr) and any(isinstance(n, ast.Call) for n in walk(sub)):
                 expr(flow, sub, st, fr)
         return _val(ONE_UNKNOWN)
     if t in (ast.Tuple, ast.List):
@@ -167,7 +168,7 @@ def expr(flow, node, st, fr) -> EnvVal:
         return _val(ONE_UNKNOWN, inner.prov, inner.scaled)
     # comprehensions, dicts, f-strings, ...: their calls still happen; provenance is the union
     prov = frozenset()
-    for sub in ast.iter_child_nodes(node):
+    for sub in children(node):
         if isinstance(sub, ast.expr):
             prov |= expr(flow, sub, st, fr).prov
         elif isinstance(sub, ast.comprehension):

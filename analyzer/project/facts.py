@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.guards import MAX_ATOMS, assignments, depends_on
 from synccheck.analyzer.project.state import PLAIN
+from synccheck.analyzer.project.traversal import children, walk
 
 
 class Backward(NamedTuple):
@@ -302,14 +303,14 @@ def window_cache(module, loop) -> bool:
     Read off the syntax of the function holding ``loop``: a container grown (``append``, ``extend``,
     ``c[k] = v``, ``+=``) outside the loop with values computed under ``torch.no_grad()`` or
     ``.detach()``ed, which the loop slices or overwrites at its own counter."""
-    scope = _enclosing_scope(module.tree, loop)
+    scope = _enclosing_scope(module, loop)
     if scope is None:
         return False
-    inside = {id(n) for n in ast.walk(loop)}
+    inside = {id(n) for n in walk(loop)}
     # filled for each window: in the loop around ``loop`` (or in a function that runs one window),
     # not once before the epochs (a feature bank read by every micro-step)
     around = _enclosing_loop(scope, loop)
-    window = {id(n) for n in ast.walk(around)} if around is not None else None
+    window = {id(n) for n in walk(around)} if around is not None else None
     detached = _detached_names(scope, inside)
     caches = set()
     for node, under_no_grad in _walk_scope(scope):
@@ -330,19 +331,19 @@ def window_cache(module, loop) -> bool:
             caches.add(root)
     if not caches:
         return False
-    counters = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)} if isinstance(loop, (ast.For, ast.AsyncFor)) else set()
+    counters = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)} if isinstance(loop, (ast.For, ast.AsyncFor)) else set()
     if not counters:
         return False
     # names the loop binds to something read from a cache (``accumulated = accum_features[key]``)
     aliases = set(caches)
     for _ in range(2):
-        for stmt in ast.walk(loop):
+        for stmt in walk(loop):
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
-                    and any(_root(n) in aliases for n in ast.walk(stmt.value) if isinstance(n, (ast.Name, ast.Attribute))):
+                    and any(_root(n) in aliases for n in walk(stmt.value) if isinstance(n, (ast.Name, ast.Attribute))):
                 aliases.add(stmt.targets[0].id)
     # the slots before or after its own (``cache[:j]``, ``cache[j + 1:]``), or its own slot
     # overwritten (``feats[j] = out``); not its own slot read (``teacher[j]``, ``x[j * b:(j + 1) * b]``)
-    for node in ast.walk(loop):
+    for node in walk(loop):
         if not isinstance(node, ast.Subscript) or _root(node.value) not in aliases:
             continue
         sl = node.slice
@@ -355,22 +356,30 @@ def window_cache(module, loop) -> bool:
     return False
 
 
-def _enclosing_scope(tree, target):
-    """The function (or module) whose own body holds ``target``."""
-    stack = [(tree, tree)]
-    while stack:
-        node, scope = stack.pop()
-        if node is target:
-            return scope
-        for child in ast.iter_child_nodes(node):
-            stack.append((child, child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else scope))
-    return None
+def _enclosing_scope(module, target):
+    """The function (or module) whose own body holds the loop ``target``."""
+    scopes = module.derived.get("loop scopes")
+    if scopes is None:
+        # every loop of the tree, with the function (or module) around it: one walk, kept with the module
+        tree = module.tree
+        scopes = module.derived["loop scopes"] = {}
+        stack = [(tree, tree)]
+        while stack:
+            node, scope = stack.pop()
+            if isinstance(node, _LOOPS):
+                scopes.setdefault(id(node), scope)
+            for child in children(node):
+                stack.append((child, child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else scope))
+    return scopes.get(id(target))
+
+
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
 
 
 def _enclosing_loop(scope, target):
     """The innermost loop of ``scope``'s own body that holds ``target``, or None."""
     found = None
-    stack = [(child, None) for child in ast.iter_child_nodes(scope)]
+    stack = [(child, None) for child in children(scope)]
     while stack:
         node, loop = stack.pop()
         if node is target:
@@ -379,13 +388,13 @@ def _enclosing_loop(scope, target):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             continue
         inner = node if isinstance(node, (ast.For, ast.AsyncFor, ast.While)) else loop
-        stack.extend((child, inner) for child in ast.iter_child_nodes(node))
+        stack.extend((child, inner) for child in children(node))
     return found
 
 
 def _walk_scope(scope):
     """(node, under a no_grad block?) for the nodes of a scope's own body (nested functions left out)."""
-    stack = [(child, False) for child in ast.iter_child_nodes(scope)]
+    stack = [(child, False) for child in children(scope)]
     while stack:
         node, no_grad = stack.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
@@ -393,7 +402,7 @@ def _walk_scope(scope):
         yield node, no_grad
         if isinstance(node, (ast.With, ast.AsyncWith)) and any(_is_no_grad(i.context_expr) for i in node.items):
             no_grad = True
-        stack.extend((child, no_grad) for child in ast.iter_child_nodes(node))
+        stack.extend((child, no_grad) for child in children(node))
 
 
 def _is_no_grad(expr) -> bool:
@@ -411,12 +420,12 @@ def _detached_names(scope, inside) -> set:
         value = node.iter if isinstance(node, ast.For) else node.value
         if no_grad or (value is not None and _is_detached(value, set())):
             targets = [node.target] if isinstance(node, (ast.For, ast.AnnAssign)) else node.targets
-            out.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            out.update(n.id for t in targets for n in walk(t) if isinstance(n, ast.Name))
     return out
 
 
 def _is_detached(value, detached: set) -> bool:
-    for n in ast.walk(value):
+    for n in walk(value):
         if isinstance(n, ast.Name) and n.id in detached:
             return True
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "detach":
@@ -437,4 +446,4 @@ def _root(node):
 
 
 def _mentions(node, names: set) -> bool:
-    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
+    return any(isinstance(n, ast.Name) and n.id in names for n in walk(node))

@@ -52,6 +52,8 @@ class Project(Resolution):
         self.context_loaded = 0
         self.errors: list = []           # (path, message) for context modules that could not be read
         self._classes_by_base: Optional[dict] = None
+        self._classes_table: dict = {}       # the last table built, and the modules it was built from
+        self._classes_done: list = []
         # files of the lint set not parsed yet: parsed when an import, a caller or a subclass is looked
         # for in them (abspath -> (path, text or None)); their findings are reported like the others
         self.catalog: dict = {}
@@ -203,10 +205,12 @@ class Project(Resolution):
                 fn.parent = None
                 fn.info = None
             module.info = None
+            module.derived.clear()
             module.functions.clear()
             module.classes.clear()
             module.top.clear()
         self._classes_by_base = None
+        self._classes_table, self._classes_done = {}, []
 
     def linted(self) -> list:
         return [m for m in self.by_path.values() if m.linted]

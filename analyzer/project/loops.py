@@ -15,9 +15,10 @@ from typing import Optional
 from synccheck.analyzer.project import events
 from synccheck.analyzer.project.flow_state import Frame, St, _merge_props, _same
 from synccheck.analyzer.project.guards import TRUE, exists
-from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.state import EnvVal, Prop, Token
 from synccheck.analyzer.project.values import ONE_UNKNOWN
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.traversal import walk
 
 MAX_LOOP_ROUNDS = 6
 
@@ -32,7 +33,7 @@ class LoopInfo:
         self.counter = None
         self.bound = None
         self.start = 0
-        self.ids = {id(n) for n in ast.walk(node)}
+        self.ids = {id(n) for n in walk(node)}
         if isinstance(node, (ast.For, ast.AsyncFor)):
             target, it = node.target, node.iter
             if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
@@ -157,16 +158,22 @@ class Loops:
             return None
         forget = [a.index for a in self.atoms.atoms if self._loop_dependent(a, info)]
         props: dict = {}
+        universe, this_loop = self.atoms.universe, {info.id}
         for prop, guard in st.props.items():
-            tokens = tuple(t._replace(frozen=guard) if t.frozen is None else t for t in prop.tokens)
+            # (prop._replace and token._replace, spelled out: this runs for every property every turn)
+            tokens = prop.tokens
+            if any(t.frozen is None for t in tokens):
+                tokens = tuple(Token._make(t[:8] + (guard,)) if t.frozen is None else t for t in tokens)
             g = guard
             for k in forget:
                 g = exists(g, k)
-            key = prop._replace(tokens=tokens, first=prop.first - {info.id})
-            props[key] = props.get(key, 0) | (g & self.atoms.universe)
+            key = Prop._make((prop.controls, prop.flags, prop.forwards, tokens, prop.first - this_loop))
+            old = props.get(key)
+            props[key] = (g & universe) if old is None else old | (g & universe)
         env = {}
+        ids, rebound = info.ids, self._rebound(info)
         for name, value in st.env.items():
-            if isinstance(value.version, int) and value.version in info.ids or name in self._rebound(info):
+            if isinstance(value.version, int) and value.version in ids or name in rebound:
                 value = value._replace(version=("phi", info.id), cond=None,
                                        alts=tuple((TRUE, v) for _, v in value.alts))
             env[name] = value
@@ -176,7 +183,7 @@ class Loops:
         key = ("rebound", info.id)
         if key not in self.memo:
             names = set()
-            for n in ast.walk(info.node):
+            for n in walk(info.node):
                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
                     names.add(n.id)
                 elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
@@ -241,4 +248,4 @@ def _acts_on_each(loop, acts) -> bool:
     if not isinstance(loop.target, ast.Name):
         return False
     name = loop.target.id
-    return any(acts(n, name) for stmt in loop.body for n in ast.walk(stmt))
+    return any(acts(n, name) for stmt in loop.body for n in walk(stmt))

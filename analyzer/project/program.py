@@ -15,6 +15,7 @@ from typing import Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
 from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
+from synccheck.analyzer.project.traversal import block_nodes_no_defs, children, walk, walk_no_defs
 from synccheck.analyzer.project.values import (CALL_WORD, Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values,
                                                Wrapper)
 
@@ -104,9 +105,9 @@ class Program:
                 for fn in list(module.functions.values()):
                     # words first: most functions with a loop say nothing a training loop says
                     segment = module.segment(fn.node)
-                    if ("for " in segment or "while " in segment) and (
-                            any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment)) \
-                            and _has_loop(fn.node.body) and self._loop_reaches_backward(fn.node.body, fn):
+                    loops = ("for " in segment or "while " in segment) and (
+                        any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment)) and _loops(fn.node.body)
+                    if loops and self._loop_reaches_backward(fn.node.body, fn, loops):
                         out.append(fn)
                     elif lightning_manual_step(fn, segment):
                         out.append(fn)
@@ -116,12 +117,13 @@ class Program:
                         out.append(fn)
                     elif ("for " in segment or "while " in segment) and \
                             ("backward" in segment or self._calls_eventful(segment)) and \
-                            _has_loop(fn.node.body) and (stepper := sibling_step(self, fn)) is not None:
+                            _loops(fn.node.body) and (stepper := sibling_step(self, fn)) is not None:
                         self.then_call[fn.uid] = stepper
                         out.append(fn)
                 top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
                                                                            ast.ClassDef))]
-                if _has_loop(top) and self._loop_reaches_backward(top, module):
+                loops = _loops(top)
+                if loops and self._loop_reaches_backward(top, module, loops):
                     out.append(module)
 
     def _calls_eventful(self, segment: str) -> bool:
@@ -136,8 +138,9 @@ class Program:
             self._eventful_seen = len(modules)
         return not self._eventful.isdisjoint(CALL_WORD.findall(segment))
 
-    def _loop_reaches_backward(self, body, scope) -> bool:
-        for loop in _loops(body):
+    def _loop_reaches_backward(self, body, scope, loops) -> bool:
+        """``loops``: the loops of ``body`` (_loops)."""
+        for loop in loops:
             words = self.words(loop.body, scope)
             steps = "step" in words or "zero_grad" in words or bool(words & set(SYNC_WORDS))
             # the backward may be in a callable the loop holds as a value (MAE's ``loss_scaler(...)``)
@@ -264,7 +267,7 @@ class Program:
             todo, seen = list(info.returns), set()
             while todo:
                 expr = todo.pop()
-                for node in ast.walk(expr):
+                for node in walk(expr):
                     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
                         found = True
                     elif isinstance(node, ast.Name) and node.id not in seen:
@@ -334,10 +337,10 @@ class Program:
         return self._inferred
 
     def _infer_uncalled(self, module, wrapped: dict) -> None:
-        called = {id(n.func) for n in ast.walk(module.tree) if isinstance(n, ast.Call)}
+        called = {id(n.func) for n in walk(module.tree) if isinstance(n, ast.Call)}
         scopes = [(fn.node, fn) for fn in module.functions.values()] + [(module.tree, module)]
         for node, scope in scopes:
-            for n in _walk_no_defs(node) if scope is not module else ast.iter_child_nodes(node):
+            for n in _walk_no_defs(node) if scope is not module else children(node):
                 if isinstance(n, ast.Attribute) and n.attr == "no_sync" and id(n) not in called:
                     self._infer_from(self.values.expr(n.value, scope), "ddp", wrapped)
 
@@ -425,27 +428,13 @@ def _receiver_is_scheduler(node) -> bool:
     return "sched" in text or text in ("lr", "warmup", "ema") or text.endswith("_lr")
 
 
-def _walk_no_defs(node):
-    """ast.walk without entering nested functions, classes or lambdas."""
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        yield n
-        for child in ast.iter_child_nodes(n):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
-                continue
-            stack.append(child)
+_walk_no_defs = walk_no_defs      # ast.walk without entering nested functions, classes or lambdas
 
 
-def _has_loop(body) -> bool:
-    return any(True for _ in _loops(body))
-
-
-def _loops(body):
-    for stmt in body:
-        for node in _walk_no_defs(stmt):
-            if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
-                yield node
+def _loops(body) -> list:
+    """The loops of a block, in the order ``_walk_no_defs`` meets them (nested functions' left out)."""
+    return [node for stmt in body for node in block_nodes_no_defs(stmt)
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.While))]
 
 
 def lightning_manual_step(fn, segment: str) -> bool:

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, parameter_default
+from synccheck.analyzer.project.traversal import children, walk
 
 RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
@@ -113,7 +114,7 @@ class _RankChecker:
                 self.walk(handler.body, side, test, scope, found)
 
     def _calls(self, expr, side, test, scope, found: list) -> None:
-        for node in ast.walk(expr):
+        for node in walk(expr):
             if not isinstance(node, ast.Call):
                 continue
             what = self.collective(node, scope)
@@ -184,7 +185,7 @@ class _RankChecker:
                 if value is not True:
                     self._runs_in(stmt.orelse, fn, binding, out)
                 continue
-            for child in ast.iter_child_nodes(stmt):
+            for child in children(stmt):
                 if isinstance(child, ast.stmt):
                     self._runs_in([child], fn, binding, out)
                 elif isinstance(child, ast.excepthandler):
@@ -193,7 +194,7 @@ class _RankChecker:
                     self._runs_calls(child, fn, binding, out)
 
     def _runs_calls(self, node, fn: Function, binding: dict, out: set) -> None:
-        for call in ast.walk(node):
+        for call in walk(node):
             if not isinstance(call, ast.Call):
                 continue
             what = self.collective(call, fn)

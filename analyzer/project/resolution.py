@@ -218,13 +218,21 @@ class Resolution:
         """Indexed classes that derive from ``klass`` (itself included)."""
         self.importers(klass.module, (klass.node.name,))
         if self._classes_by_base is None:
-            # resolving a base may load a module (which resets the table): build it aside
-            table: dict = {}
-            for module in list(self.by_path.values()):
+            # resolving a base may load a module (which resets the table): build it aside. The modules
+            # the last table was built from are still the first ones (modules are only ever added, and
+            # a class's bases are resolved once): only the modules added since are read
+            modules = list(self.by_path.values())
+            done = self._classes_done
+            if len(done) <= len(modules) and all(a is b for a, b in zip(done, modules)):
+                table, start = self._classes_table, len(done)
+            else:
+                table, start = {}, 0
+            for module in modules[start:]:
                 for k in list(module.classes.values()):
                     for base in self.bases(k):
                         if isinstance(base, Class):
                             table.setdefault(base.uid, []).append(k)
+            self._classes_table, self._classes_done = table, modules
             self._classes_by_base = table
         out, todo, seen = [], [klass], set()
         while todo:

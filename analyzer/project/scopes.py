@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from typing import NamedTuple, Optional
 
+from synccheck.analyzer.project.traversal import walk
+
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 
@@ -162,6 +164,70 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
                 _statements(case.body, info, self_name, False)
 
 
+class AttributeStores:
+    """What ``scope_info`` reads of attribute stores, read alone: ``self_attrs`` and ``obj_attrs`` of
+    the scope's ScopeInfo, from the same statements in the same order (assignments only; nested
+    functions and classes are not entered, nor are expressions, where no attribute is stored)."""
+    __slots__ = ("self_attrs", "obj_attrs")
+
+    def __init__(self, body: list, self_name: Optional[str]) -> None:
+        self.self_attrs: dict = {}
+        self.obj_attrs: list = []
+        self._statements(body, self_name)
+
+    def _statements(self, body, self_name) -> None:
+        for stmt in body:
+            t = type(stmt)
+            if t is ast.FunctionDef or t is ast.AsyncFunctionDef or t is ast.ClassDef:
+                continue
+            if t is ast.Assign:
+                for target in stmt.targets:
+                    self._target(target, stmt.value, (), self_name)
+            elif t is ast.AnnAssign:
+                if stmt.value is not None:
+                    self._target(stmt.target, stmt.value, (), self_name)
+            elif t is ast.Expr or t is ast.Return or t is ast.AugAssign or t is ast.Pass or t is ast.Import or \
+                    t is ast.ImportFrom:
+                continue
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(stmt, field, None)
+                if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                    self._statements(block, self_name)
+            for handler in getattr(stmt, "handlers", ()):
+                self._statements(handler.body, self_name)
+            if isinstance(stmt, ast.Match):
+                for case in stmt.cases:
+                    self._statements(case.body, self_name)
+
+    def _target(self, target, value, path: tuple, self_name) -> None:
+        """The attribute parts of ``_bind``."""
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for i, el in enumerate(target.elts):
+                if not isinstance(el, ast.Starred):
+                    self._target(el, value, path + (i,), self_name)
+        elif isinstance(target, ast.Attribute):
+            if self_name and isinstance(target.value, ast.Name) and target.value.id == self_name:
+                self.self_attrs.setdefault(target.attr, []).append((value, path))
+            else:
+                self.obj_attrs.append((target.value, target.attr, value, path))
+        elif isinstance(target, ast.Starred):
+            self._target(target.value, value, path, self_name)
+        elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) and not path and \
+                self_name and isinstance(target.value.value, ast.Name) and target.value.value.id == self_name:
+            self.self_attrs.setdefault(target.value.attr, []).append((value, ITEM))
+
+
+def scope_attribute_stores(scope):
+    """The attribute stores of a function or module (project.definitions): its ScopeInfo when that
+    was read already (it has the same ``self_attrs`` and ``obj_attrs``), else an AttributeStores."""
+    if scope.info is not None:
+        return scope.info
+    node = getattr(scope, "node", None)
+    if node is None:
+        return AttributeStores(scope.tree.body, None)
+    return AttributeStores(node.body, scope.params[0] if scope.is_method and scope.params else None)
+
+
 def _unconditional(stmt, field: str) -> bool:
     """Does this block of ``stmt`` run whenever ``stmt`` does? (``with`` bodies, ``try`` bodies and
     ``finally``, the body of ``if __name__ == "__main__":``.)"""
@@ -223,7 +289,7 @@ def _names(target) -> list:
 def _expr(node, info: ScopeInfo) -> None:
     """Calls (for the call-site index), yields and walrus bindings of an expression; lambdas and
     comprehensions' own scopes are still walked for calls (a call is a call wherever it sits)."""
-    for sub in ast.walk(node):
+    for sub in walk(node):
         t = type(sub)
         if t is ast.Call:
             info.calls.append(sub)

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 
 from synccheck.analyzer.project.values import Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper
+from synccheck.analyzer.project.traversal import walk
 
 class Unwrapped(NamedTuple):
     module: object
@@ -106,10 +107,10 @@ def _forwards_through(scope, ctx_call, target) -> bool:
     if tree is None:
         return False
     wanted = ast.dump(target)
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, (ast.With, ast.AsyncWith)) and any(i.context_expr is ctx_call for i in node.items):
             return any(isinstance(sub, ast.Call) and ast.dump(sub.func) == wanted
-                       for stmt in node.body for sub in ast.walk(stmt))
+                       for stmt in node.body for sub in walk(stmt))
     return False
 
 
@@ -119,9 +120,9 @@ def _binding(program, wrapper: Wrapper) -> str:
     module = program.project.by_path.get(path) or next((m for m in program.project.modules() if m.path == path), None)
     if module is None:
         return "the wrapper"
-    for node in ast.walk(module.tree):
+    for node in walk(module.tree):
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(node, "value", None) is not None:
-            for sub in ast.walk(node.value):
+            for sub in walk(node.value):
                 if isinstance(sub, ast.Call) and sub.lineno == line and sub.col_offset == col:
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     target = targets[0]
@@ -220,10 +221,13 @@ def samplers_without_set_epoch(program) -> list:
         return []
     prepared = _prepared_loaders(program)
     out = []
+    epoch_loop = None         # asked once: nothing below parses or reads a file
     for module, call, sampler, scope in made:
         if not module.linted or sampler in seeded or sampler in prepared:
             continue
-        if not _has_epoch_loop(program):
+        if epoch_loop is None:
+            epoch_loop = _has_epoch_loop(program)
+        if not epoch_loop:
             continue
         name = _assigned_name(module, call)
         if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}"):
@@ -260,18 +264,18 @@ def _has_epoch_loop(program) -> bool:
         if text is not None and _EPOCH_LOOP.search(text):
             return True
     for module in program.project.modules():
-        for node in ast.walk(module.tree):
+        for node in walk(module.tree):
             if isinstance(node, (ast.For, ast.While)):
                 target = ast.unparse(node.target) if isinstance(node, ast.For) else ""
                 if "epoch" in target.lower():
                     return True
-                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in ast.walk(b)):
+                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in walk(b)):
                     return True
     return False
 
 
 def _assigned_name(module, call) -> str:
-    for node in ast.walk(module.tree):
+    for node in walk(module.tree):
         if isinstance(node, ast.Assign) and node.value is call:
             return ast.unparse(node.targets[0])
     return "the sampler"

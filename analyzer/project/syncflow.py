@@ -20,6 +20,7 @@ that syncflow.py held before stays importable from here.
 from __future__ import annotations
 
 import ast
+from itertools import islice
 from typing import Optional
 
 from synccheck.analyzer.project import events
@@ -223,12 +224,25 @@ class Flow(Loops):
     def restrict(self, st: Optional[St], formula: int) -> Optional[St]:
         if st is None:
             return None
-        props = {}
-        for prop, guard in st.props.items():
-            g = guard & formula & self.first_mask(prop.first)
+        # most restrictions change no guard: a new dict is made only from the first one that changes
+        # (no code changes a dict of properties in place once a state holds it)
+        old = st.props
+        props = None
+        masks: dict = {}           # first_mask of each set of first iterations met here
+        for i, (prop, guard) in enumerate(old.items()):
+            first = prop.first
+            mask = masks.get(first)
+            if mask is None:
+                mask = masks[first] = self.first_mask(first)
+            g = guard & formula & mask
+            if props is None:
+                if g and g == guard:
+                    continue
+                props = dict(islice(old.items(), i))
             if g:
                 props[prop] = g
-        st.props = props
+        if props is not None:
+            st.props = props
         return st
 
     def join(self, states, formulas: Optional[tuple] = None) -> Optional[St]:
@@ -237,15 +251,20 @@ class Flow(Loops):
             return None
         if len(live) == 1:
             return live[0]
-        props: dict = {}
-        for s in live:
+        props = dict(live[0].props)
+        for s in live[1:]:
             for p, g in s.props.items():
-                props[p] = props.get(p, 0) | g
+                old = props.get(p)
+                props[p] = g if old is None else old | g
         env = dict(live[0].env)
+        pair = formulas if len(live) == 2 else None
         for s in live[1:]:
             for name, value in s.env.items():
                 mine = env.get(name)
-                env[name] = value if mine is None else _merge_val(mine, value, formulas if len(live) == 2 else None)
+                if mine is None:
+                    env[name] = value
+                elif mine is not value:          # (a value merged with itself is itself)
+                    env[name] = _merge_val(mine, value, pair)
         return St(props, env)
 
     # -- expressions ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Stage 5 of the pipeline (values), part 2: the syntax the value analysis reads.
 
 Plain functions over the ``ast``: the call sites of a name found from the text first (``CALL_WORD``,
-``_call_lines``, ``_calls_named``), call arguments matched to parameters (``_argument``,
+``_call_lines``, ``_calls_named``: in call_sites.py), call arguments matched to parameters (``_argument``,
 ``parameter_default``), the options a constructor was given (``Accelerator(gradient_accumulation_steps=...)``,
 ``Fabric(devices=1)``), ``self.attr = value`` stores of a class, the receivers of ``.parameters()`` an
 optimizer was built from, and integer arithmetic on known constants.
@@ -9,11 +9,14 @@ optimizer was built from, and integer arithmetic on known constants.
 from __future__ import annotations
 
 import ast
-import bisect
 import re
 from typing import TYPE_CHECKING
 
+# the call sites of a name, found from the text first: in call_sites.py, re-exported here
+from synccheck.analyzer.project.call_sites import CALL_WORD, _call_lines, _calls_named, call_lines  # noqa: F401
 from synccheck.analyzer.project.definitions import Class, External, Function, Module, ModuleRef
+from synccheck.analyzer.project.scopes import scope_attribute_stores
+from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Cls, Const, Ext, Mod, _cap
 
 if TYPE_CHECKING:
@@ -21,66 +24,6 @@ if TYPE_CHECKING:
 
 # ``obj.attr = value`` (or ``a.b.attr = value``) where obj is not ``self``: a store from outside a class
 _OUTSIDE_STORE = re.compile(r"(?<![\w.])(?!self\.\w+[ \t]*=)[A-Za-z_]\w*(?:\.\w+)+[ \t]*(?:=(?!=)|,)")
-
-
-def _calls_named(module: Module, name: str, lines: list) -> list:
-    """The calls of ``name`` in a module, with the scope (function or module) each is in: a walk that
-    enters only the nodes that span one of ``lines`` (where the text says ``name(``), so a big
-    module costs what its matches cost."""
-    scopes = {id(fn.node): fn for fn in module.functions.values()}
-    out = []
-    stack = [(module.tree, module)]
-    while stack:
-        node, scope = stack.pop()
-        for child in ast.iter_child_nodes(node):
-            first = getattr(child, "lineno", None)
-            if first is not None:
-                decorators = getattr(child, "decorator_list", None)
-                if decorators:
-                    first = min(first, min(d.lineno for d in decorators))
-                i = bisect.bisect_left(lines, first)
-                if i == len(lines) or lines[i] > child.end_lineno:
-                    continue
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                stack.append((child, scopes.get(id(child), scope)))
-                continue
-            if isinstance(child, ast.Call):
-                func = child.func
-                key = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-                if key == name:
-                    out.append((scope, child))
-            stack.append((child, scope))
-    out.reverse()
-    return out
-
-
-# ``name(`` in source text: a call of name (or its def), found without a parse
-CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
-
-
-def _call_lines(module: Module) -> dict:
-    """name -> sorted line numbers where the module's text says ``name(``: one scan of the text."""
-    table = getattr(module, "_call_lines", None)
-    if table is None:
-        text = module.text
-        starts = [0]
-        find = text.find
-        i = find("\n")
-        while i != -1:
-            starts.append(i + 1)
-            i = find("\n", i + 1)
-        table = {}
-        line, nxt = 1, (starts[1] if len(starts) > 1 else len(text) + 1)
-        for m in CALL_WORD.finditer(text):
-            at = m.start()
-            if at >= nxt:
-                line = bisect.bisect_right(starts, at)
-                nxt = starts[line] if line < len(starts) else len(text) + 1
-            bucket = table.setdefault(m.group(1), [])
-            if not bucket or bucket[-1] != line:
-                bucket.append(line)
-        module._call_lines = table
-    return table
 
 
 def _strings(node, info, depth: int = 0) -> list:
@@ -131,7 +74,7 @@ def _reaching(assigns, reach) -> list:
 
 
 def _mentions(node, name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+    return any(isinstance(n, ast.Name) and n.id == name for n in walk(node))
 
 
 def _class_attrs(values: "Values", klass: Class) -> dict:
@@ -140,7 +83,8 @@ def _class_attrs(values: "Values", klass: Class) -> dict:
     if klass.attrs is None:
         table: dict = {}
         for method in klass.methods.values():
-            for attr, items in values.info(method).self_attrs.items():
+            # (the stores alone: the methods' whole ScopeInfo is read only where it is needed)
+            for attr, items in scope_attribute_stores(method).self_attrs.items():
                 table.setdefault(attr, []).extend((method, value, path) for value, path in items)
         for stmt in klass.node.body:
             if isinstance(stmt, ast.Assign):
@@ -250,7 +194,7 @@ def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:
     """The receivers of ``.parameters()`` / ``.named_parameters()`` in an optimizer's first argument,
     following a local name to its assignments once or twice (``params = model.parameters()``)."""
     out = []
-    for node in ast.walk(arg):
+    for node in walk(arg):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("parameters", "named_parameters"):
             receiver = node.func.value

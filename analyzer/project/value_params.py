@@ -12,7 +12,7 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, qualified_name
-from synccheck.analyzer.project.value_helpers import _argument, _call_lines, _calls_named, _deco, parameter_default
+from synccheck.analyzer.project.value_helpers import _argument, _calls_named, _deco, call_lines, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
                                                     Inst, Obj, Wrapper, site_of)
 
@@ -92,7 +92,7 @@ class ParameterValues:
         start = self._calls_checked.get(name, 0)
         if start < len(modules):
             for module in modules[start:]:
-                lines = _call_lines(module).get(name)
+                lines = call_lines(module, name)
                 if lines:
                     found.extend(_calls_named(module, name, lines))
             self._calls_checked[name] = len(modules)

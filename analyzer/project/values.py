@@ -29,7 +29,7 @@ from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import (Class, External, Function, GlobalRef, Module, ModuleRef,
                                                     qualified_name)
 from synccheck.analyzer.project.index import Project
-from synccheck.analyzer.project.scopes import ITEM, scope_info
+from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores, scope_info
 from synccheck.analyzer.project.value_calls import CallValues
 from synccheck.analyzer.project.value_containers import ContainerValues
 from synccheck.analyzer.project.value_params import ParameterValues
@@ -405,9 +405,13 @@ class Values(ContainerValues, ParameterValues, CallValues):
             if not _OUTSIDE_STORE.search(module.text):
                 continue
             for scope in [module] + list(module.functions.values()):
-                if isinstance(scope, Function) and not _OUTSIDE_STORE.search(module.segment(scope.node)):
+                # the stores first (a scope that makes none adds nothing whatever its text says), then
+                # the text of the function, as the scope's whole ScopeInfo used to be read for them
+                found = scope_attribute_stores(scope).obj_attrs
+                if not found or (isinstance(scope, Function) and
+                                 not _OUTSIDE_STORE.search(module.segment(scope.node))):
                     continue
-                for receiver, a, value, path in self.info(scope).obj_attrs:
+                for receiver, a, value, path in found:
                     stores.setdefault(a, []).append((scope, receiver, value, path))
         return stores.get(attr, [])
 
@@ -422,3 +426,4 @@ class Values(ContainerValues, ParameterValues, CallValues):
         if len(call.args) >= 3:          # DataLoader(dataset, batch_size, shuffle, sampler, ...)
             pass
         return frozenset(out) or EMPTY
+

@@ -1,5 +1,6 @@
 import re
 
+from synccheck.analyzer.imports import line_matches
 from synccheck.analyzer.rules.base import Rule
 
 RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process|is_local_main_process|"
@@ -143,7 +144,7 @@ def _rank_branch_calls_imported(text: str) -> bool:
     """Some rank branch calls a function imported from a module of the project, which may run a
     collective in its own file: the file is worth a parse with its imports."""
     imported = set()
-    for dots, module, names in _FROM_IMPORT.findall(text):
+    for dots, module, names in line_matches(_FROM_IMPORT, text, "from"):
         if not dots and module.split(".")[0] in _EXTERNAL:
             continue
         imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
