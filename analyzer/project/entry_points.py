@@ -176,8 +176,9 @@ def per_call_loop(fn) -> ast.For:
 # call one after the other, in a loop we do not see (imagen-pytorch's ImagenTrainer).
 
 OUT_OF_VIEW = "out of view"     # the step after the chunks is in a caller we were not given
-# a module whose chunk loop may be followed by a step out of view says how it trains
-_TRAINING_WORDS = ("optim", "scaler", ".step(", "accumulat")
+# a module whose chunk loop may be followed by a step out of view says how it trains (a scheduler's
+# ``.step(`` or "sub-optimal" does not)
+_TRAINING_WORDS = re.compile(r"optimizer|optim\.|\bscaler\b|accumulat|zero_grad")
 
 
 def sibling_step(program, fn):
@@ -197,11 +198,18 @@ def sibling_step(program, fn):
     steppers = [m for m in fn.cls.methods.values()
                 if m is not fn and "step" in program.fn_words(m) and "backward" not in program.fn_words(m)
                 and not m.node.name.startswith("_") and len(m.params) >= 1] if fn.cls is not None else []
-    if len(steppers) > 1 or (not steppers and not any(w in fn.module.text for w in _TRAINING_WORDS)):
+    if len(steppers) > 1 or (not steppers and (_TRAINING_WORDS.search(fn.module.text) is None or
+                                                _reads_grad(fn.node))):
         return None
     if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
         return None
     return steppers[0] if steppers else OUT_OF_VIEW
+
+
+def _reads_grad(node) -> bool:
+    """``image.grad`` read: a backward for the gradient of an input (guided sampling), not training."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "grad" and isinstance(n.ctx, ast.Load)
+               for n in ast.walk(node))
 
 
 def then_call(fn, method) -> list:
