@@ -272,6 +272,8 @@ def _driver_call(text: str) -> bool:
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
     rules = [BY_CODE[c] for c in codes]
     from synccheck.analyzer.cache import component_key, content_key
+    if cache is None:
+        content_key = _no_key      # the content keys only ever key the cache: without one, no hashing
     from synccheck.analyzer.imports import Components, imported_names, importers_beside, read_imports
 
     files = discover(paths, is_excluded)
@@ -346,6 +348,10 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         if cache is not None:
             cache.put(key, findings, errors, deps)
     return result
+
+
+def _no_key(data: bytes) -> str:
+    return ""
 
 
 def _read(path: str, content_key, imported_names, rules, force: bool = False):

@@ -74,6 +74,7 @@ def module_paths(path: str, level: int, name: str, roots: list) -> list:
     if found is None:
         if len(_module_paths_cache) > 200_000:
             _module_paths_cache.clear()
+            _targets.clear()
         found = _module_paths_cache[key] = _module_paths(here, level, name, roots)
     return found
 
@@ -82,7 +83,6 @@ _module_paths_cache: dict = {}
 
 
 def _module_paths(here: str, level: int, name: str, roots: list) -> list:
-    parts = name.split(".") if name else []
     if level:
         base = here
         for _ in range(level - 1):
@@ -92,10 +92,28 @@ def _module_paths(here: str, level: int, name: str, roots: list) -> list:
         bases = [here] + [r for r in _package_roots(here) if r != here] + roots
     out = []
     for base in bases:
-        target = os.path.join(base, *parts) if parts else base
-        out.append(target + ".py")
-        out.append(os.path.join(target, "__init__.py"))
+        # the same roots are asked for the same names by every folder: each pair is joined once
+        pair = _targets.get((base, name))
+        if pair is None:
+            pair = _targets[(base, name)] = _target_files(base, name)
+        out += pair
     return out
+
+
+def _target_files(base: str, name: str) -> tuple:
+    """(base/a/b.py, base/a/b/__init__.py) for name ``a.b``, as os.path.join spells them; the joins
+    spelled out on POSIX for a folder without a trailing slash and a name without empty parts (an
+    import's parts are words: no slash in them)."""
+    parts = name.split(".") if name else []
+    if _POSIX and not base.endswith("/") and all(parts):
+        target = base + "/" + "/".join(parts) if parts else base
+        return target + ".py", target + "/__init__.py"
+    target = os.path.join(base, *parts) if parts else base
+    return target + ".py", os.path.join(target, "__init__.py")
+
+
+_POSIX = os.path.__name__ == "posixpath"
+_targets: dict = {}
 
 
 _package_roots_cache: dict = {}

@@ -23,17 +23,21 @@ def _calls_named(module: Module, name: str, lines: list) -> list:
         scopes = module.derived["scope by node"] = {id(fn.node): fn for fn in module.functions.values()}
     out = []
     stack = [(module.tree, module)]
+    count, bisect_left = len(lines), bisect.bisect_left
     while stack:
         node, scope = stack.pop()
         for child in children(node):
             first = getattr(child, "lineno", None)
             if first is not None:
-                decorators = getattr(child, "decorator_list", None)
-                if decorators:
-                    first = min(first, min(d.lineno for d in decorators))
-                i = bisect.bisect_left(lines, first)
-                if i == len(lines) or lines[i] > child.end_lineno:
+                if isinstance(child, _DECORATED):
+                    decorators = child.decorator_list
+                    if decorators:
+                        first = min(first, min(d.lineno for d in decorators))
+                i = bisect_left(lines, first)
+                if i == count or lines[i] > child.end_lineno:
                     continue
+            elif isinstance(child, _LEAVES):
+                continue        # a context or an operator: no position, no children
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 stack.append((child, scopes.get(id(child), scope)))
                 continue
@@ -45,6 +49,10 @@ def _calls_named(module: Module, name: str, lines: list) -> list:
             stack.append((child, scope))
     out.reverse()
     return out
+
+
+_DECORATED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)      # what has a decorator_list
+_LEAVES = (ast.expr_context, ast.boolop, ast.operator, ast.unaryop, ast.cmpop)
 
 
 # ``name(`` in source text: a call of name (or its def), found without a parse. The look-behind changes
@@ -78,8 +86,6 @@ def _call_lines(module: Module) -> dict:
     return table
 
 
-_WORD_CHAR = re.compile(r"\w")
-_OPEN_PAREN = re.compile(r"\s*\(")
 _NAME_HEAD = re.compile(r"[A-Za-z_]\w*\Z")
 
 
@@ -103,20 +109,25 @@ def call_lines(module: Module, name: str) -> list:
     found = []
     text = module.text
     if _NAME_HEAD.match(name):
-        find, word, paren = text.find, _WORD_CHAR.match, _OPEN_PAREN.match
-        size, end = len(name), len(text)
+        pattern = _called.get(name)
+        if pattern is None:
+            if len(_called) > 4096:
+                _called.clear()
+            pattern = _called[name] = re.compile(re.escape(name) + r"(?!\w)\s*\(")
         line, counted = 1, 0
-        at = find(name)
-        while at != -1:
-            after = at + size
-            if (after == end or not word(text, after)) and paren(text, after) and _run_starts(text, at):
+        for m in pattern.finditer(text):
+            at = m.start()
+            if _run_starts(text, at):
                 line += text.count("\n", counted, at)
                 counted = at
                 if not found or found[-1] != line:
                     found.append(line)
-            at = find(name, at + 1)
     cache[name] = found
     return found
+
+
+# name -> ``name(`` not followed by a word character, the places call_lines then checks
+_called: dict = {}
 
 
 def call_words(text: str) -> set:

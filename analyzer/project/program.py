@@ -132,6 +132,8 @@ class Program:
         modules = self.project.modules()
         if self._eventful_seen < len(modules):
             for module in modules[self._eventful_seen:]:
+                if not any(w in module.text for w in ROOT_WORDS):
+                    continue            # (a function's text is a part of its module's)
                 for fn in module.functions.values():
                     if fn.node.name not in self._eventful and any(w in module.segment(fn.node) for w in ROOT_WORDS):
                         self._eventful.add(fn.node.name)

@@ -99,10 +99,11 @@ _SHAPES = {
 }
 
 
-def _children_of(cls):
-    """The function that lists the children of a node of this class, in ``_fields`` order."""
+def _children_source(cls, name: str) -> list:
+    """The lines of a function ``name`` that lists the children of a node of this class, in
+    ``_fields`` order; none for a class without fields that hold nodes."""
     shapes = _SHAPES.get(cls.__name__, {})
-    lines = ["def children(n):", "    out = []"]
+    lines = []
     for field in cls._fields:
         shape = shapes.get(field)
         if shape == _NONE:
@@ -117,12 +118,9 @@ def _children_of(cls):
             lines += [f"    v = getattr(n, {field!r}, None)",
                       "    if isinstance(v, AST): out.append(v)",
                       "    elif isinstance(v, list): out += [x for x in v if isinstance(x, AST)]"]
-    if len(lines) == 2:
-        return _no_children
-    lines.append("    return out")
-    namespace = {"AST": AST}
-    exec("\n".join(lines), namespace)   # noqa: S102 - code made above from the classes' field names
-    return namespace["children"]
+    if not lines:
+        return []
+    return [f"def {name}(n):", "    out = []"] + lines + ["    return out"]
 
 
 def _no_children(node) -> list:
@@ -138,12 +136,20 @@ _CHILDREN: dict = {}        # every class of the ast module -> its children func
 
 
 def _build() -> None:
-    todo = [AST]
+    """One function per class of the ast module, made from one source text (compiled once)."""
+    classes, todo = [], [AST]
     while todo:
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         if cls.__module__ == "ast" and getattr(cls, "_fields", None) is not None:
-            _CHILDREN[cls] = _children_of(cls)
+            classes.append(cls)
+    source = []
+    for i, cls in enumerate(classes):
+        source += _children_source(cls, f"_children_{i}")
+    namespace = {"AST": AST}
+    exec("\n".join(source), namespace)   # noqa: S102 - code made above from the classes' field names
+    for i, cls in enumerate(classes):
+        _CHILDREN[cls] = namespace.get(f"_children_{i}", _no_children)
 
 
 _build()

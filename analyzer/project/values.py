@@ -398,7 +398,10 @@ class Values(ContainerValues, ParameterValues, CallValues):
         """``obj.attr = value`` outside the class's own methods, in the parsed modules."""
         stores = self._plain.setdefault(("stores",), {})
         done = self._plain.setdefault(("stores-done",), set())
-        for module in self.project.modules():
+        modules = self.project.modules()
+        seen = self._plain.get(("stores-seen",), 0)     # modules are only added: the first ones are done
+        self._plain[("stores-seen",)] = len(modules)
+        for module in modules[seen:]:
             if module.path in done:
                 continue
             done.add(module.path)
