@@ -206,10 +206,7 @@ class AttributeStores:
                 if not isinstance(el, ast.Starred):
                     self._target(el, value, path + (i,), self_name)
         elif isinstance(target, ast.Attribute):
-            if self_name and isinstance(target.value, ast.Name) and target.value.id == self_name:
-                self.self_attrs.setdefault(target.attr, []).append((value, path))
-            else:
-                self.obj_attrs.append((target.value, target.attr, value, path))
+            _store_attribute(target, value, path, self_name, self)
         elif isinstance(target, ast.Starred):
             self._target(target.value, value, path, self_name)
         elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) and not path and \
@@ -241,6 +238,15 @@ def _unconditional(stmt, field: str) -> bool:
     return False
 
 
+def _store_attribute(target: ast.Attribute, value, path: tuple, self_name, into) -> None:
+    """``self.x = v`` into ``into.self_attrs``, ``obj.x = v`` into ``into.obj_attrs`` (a ScopeInfo or an
+    AttributeStores)."""
+    if self_name and isinstance(target.value, ast.Name) and target.value.id == self_name:
+        into.self_attrs.setdefault(target.attr, []).append((value, path))
+    else:
+        into.obj_attrs.append((target.value, target.attr, value, path))
+
+
 def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
     if isinstance(target, ast.Name):
         info.assigns.setdefault(target.id, []).append((value, path))
@@ -254,10 +260,7 @@ def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
                 continue
             _bind(el, value, path + (i,), info, self_name)
     elif isinstance(target, ast.Attribute):
-        if self_name and isinstance(target.value, ast.Name) and target.value.id == self_name:
-            info.self_attrs.setdefault(target.attr, []).append((value, path))
-        else:
-            info.obj_attrs.append((target.value, target.attr, value, path))
+        _store_attribute(target, value, path, self_name, info)
     elif isinstance(target, ast.Starred):
         _bind(target.value, value, path, info, self_name)
     elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and not path:
