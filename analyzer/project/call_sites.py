@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import bisect
 import re
+from itertools import repeat
 
 from synccheck.analyzer.project.definitions import Module
 from synccheck.analyzer.project.traversal import children
@@ -100,7 +101,10 @@ def call_lines(module: Module, name: str) -> list:
     words = module.derived.get("call words")
     if words is None:
         words = module.derived["call words"] = call_words(module.text)
-    if name not in words:
+    if words.__class__ is set:
+        if name not in words:
+            return []
+    elif not name.isascii() or name.encode() not in words:      # the words of an ASCII text, as bytes
         return []
     cache = module.derived.setdefault("call lines", {})
     found = cache.get(name)
@@ -130,15 +134,15 @@ def call_lines(module: Module, name: str) -> list:
 _called: dict = {}
 
 
-def call_words(text: str) -> set:
-    """Every word ``CALL_WORD`` matches in the text (and, in an ASCII text, other words too). A match is
-    a run of word characters from its first letter or underscore, so in ASCII it is a run without its
-    leading digits: the runs come from a byte translation and a split, not from the regex tried at
-    every position."""
+def call_words(text: str):
+    """Every word ``CALL_WORD`` matches in the text (and, in an ASCII text, other words too): a set of
+    str, or for an ASCII text a frozenset of bytes. A match is a run of word characters from its
+    first letter or underscore, so in ASCII it is a run without its leading digits: the runs come
+    from a byte translation and a split, not from the regex tried at every position."""
     if not text.isascii():
         return set(CALL_WORD.findall(text))
     runs = set(text.encode("ascii").translate(_RUNS).split())
-    return {run.lstrip(b"0123456789").decode("ascii") for run in runs}
+    return frozenset(map(bytes.lstrip, runs, repeat(b"0123456789")))
 
 
 # every byte that is not an ASCII word character becomes a space

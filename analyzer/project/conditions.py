@@ -51,6 +51,7 @@ class Conditions:
         self.flow = flow
         self.atoms = flow.atoms
         self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
+        self._calls: dict = {}     # id(expression) -> (expression, whether it holds a call)
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -98,7 +99,7 @@ class Conditions:
         elif t is ast.Compare:
             # events inside a comparison (a call in ``if step(x) == 0``) still happen
             for sub in [node.left] + list(node.comparators):
-                if any(isinstance(n, ast.Call) for n in walk(sub)):
+                if self._calls_in(sub):
                     self.flow.expr(sub, st, fr)
             folded = self._fold(node, fr)
             if folded is not None:
@@ -106,6 +107,13 @@ class Conditions:
         if not relevant:
             return BOTH
         return self.literal(node, st, fr)
+
+    def _calls_in(self, node) -> bool:
+        """Does the expression hold a call? (Read once per node: a loop's tests are read every turn.)"""
+        found = self._calls.get(id(node))
+        if found is None or found[0] is not node:
+            found = self._calls[id(node)] = (node, any(isinstance(n, ast.Call) for n in walk(node)))
+        return found[1]
 
     def literal(self, node, st, fr) -> tuple:
         polarity = True

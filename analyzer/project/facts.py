@@ -360,7 +360,8 @@ def _enclosing_scope(module, target):
     """The function (or module) whose own body holds the loop ``target``."""
     scopes = module.derived.get("loop scopes")
     if scopes is None:
-        # every loop of the tree, with the function (or module) around it: one walk, kept with the module
+        # every loop of the tree, with the function (or module) around it: one walk of the statements
+        # (and handlers and cases), kept with the module; a loop is a statement, never in an expression
         tree = module.tree
         scopes = module.derived["loop scopes"] = {}
         stack = [(tree, tree)]
@@ -368,12 +369,17 @@ def _enclosing_scope(module, target):
             node, scope = stack.pop()
             if isinstance(node, _LOOPS):
                 scopes.setdefault(id(node), scope)
-            for child in children(node):
-                stack.append((child, child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else scope))
+            for field in _BLOCKS:
+                for child in getattr(node, field, None) or ():
+                    if isinstance(child, _BLOCK_TYPES):
+                        stack.append((child, child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                                      else scope))
     return scopes.get(id(target))
 
 
 _LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_BLOCKS = ("body", "handlers", "orelse", "finalbody", "cases")
+_BLOCK_TYPES = (ast.stmt, ast.excepthandler) + ((ast.match_case,) if hasattr(ast, "match_case") else ())
 
 
 def _enclosing_loop(scope, target):

@@ -25,7 +25,7 @@ MAX_LOOP_ROUNDS = 6
 
 class LoopInfo:
     """What a loop's syntax says: its counter, the bound of a counted loop, the nodes inside it."""
-    __slots__ = ("node", "counter", "bound", "start", "ids", "id")
+    __slots__ = ("node", "counter", "bound", "start", "ids", "id", "_each")
 
     def __init__(self, node) -> None:
         self.node = node
@@ -34,6 +34,7 @@ class LoopInfo:
         self.bound = None
         self.start = 0
         self.ids = {id(n) for n in walk(node)}
+        self._each = {}
         if isinstance(node, (ast.For, ast.AsyncFor)):
             target, it = node.target, node.iter
             if isinstance(it, ast.Call) and isinstance(it.func, ast.Name):
@@ -53,6 +54,15 @@ class LoopInfo:
                     elif len(it.args) == 2:
                         self.start = None          # range(k, n): counter does not start at 0
                         self.bound = ast.dump(it.args[1])
+
+
+    def each(self, test) -> bool:
+        """``test(node)`` (_steps_each, _flags_each) for this loop, read once: the loop runs every
+        time its function is analysed, and every turn of the loops around it."""
+        found = self._each.get(test)
+        if found is None:
+            found = self._each[test] = test(self.node)
+        return found
 
 
 def _int(node) -> Optional[int]:
@@ -108,7 +118,7 @@ class Loops:
         ctx = LoopCtx(info, None)
         last = self.last_atom(ctx) if counted else None
         turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
-        if is_for and _steps_each(s):
+        if is_for and info.each(_steps_each):
             self.optimizer_loops.add(info.id)
         entry = St({p._replace(first=p.first | {info.id}): g for p, g in st.props.items()}, dict(st.env))
         head = entry
@@ -137,7 +147,7 @@ class Loops:
         exits = list(ctx.breaks)
         if last is not None:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
-        elif is_for and end is not None and (info.id in self.optimizer_loops or _flags_each(s)):
+        elif is_for and end is not None and (info.id in self.optimizer_loops or info.each(_flags_each)):
             exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
         elif is_for:
             exits.append(head)
