@@ -271,9 +271,9 @@ def _driver_call(text: str) -> bool:
 
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
     rules = [BY_CODE[c] for c in codes]
-    from synccheck.analyzer.cache import component_key, content_key
-    if cache is None:
-        content_key = _no_key      # the content keys only ever key the cache: without one, no hashing
+    from synccheck.analyzer.cache import component_key, content_key as hashed_key
+    # the content keys only ever key the cache: without one, no hashing
+    content_key = hashed_key if cache is not None else _no_key
     from synccheck.analyzer.imports import Components, imported_names, importers_beside, read_imports
 
     files = discover(paths, is_excluded)
