@@ -228,18 +228,24 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     explicit = {os.path.abspath(p) for p in paths if os.path.isfile(p)}
     entries: dict = {}
     fresh_files = 0
+    known = {}
+    for path in files:
+        found = cache.fresh(path) if cache is not None and not path.endswith(".ipynb") else None
+        if found is not None:
+            known[path] = found
+    # a file named on the command line is analysed even without our words: its loop may run
+    # a backward through a helper in another file (a pre-commit hook passes such files)
+    reads = pool.read_all(_read_files, [(path, os.path.abspath(path) in explicit) for path in files
+                                        if path not in known], (content_key, imported_names, rules))
     for path in files:
         apath = os.path.abspath(path)
-        known = cache.fresh(path) if cache is not None and not path.endswith(".ipynb") else None
-        if known is not None:
-            key, gated, imports, is_eager = known
+        if path in known:
+            key, gated, imports, is_eager = known[path]
             entries[apath] = _Entry(path, key, gated or apath in explicit, imports,
                                     eager=is_eager or apath in explicit)
             fresh_files += 1
             continue
-        # a file named on the command line is analysed even without our words: its loop may run
-        # a backward through a helper in another file (a pre-commit hook passes such files)
-        entry, error = _read(path, content_key, imported_names, rules, force=apath in explicit)
+        entry, error = next(reads)
         if error is not None:
             result.errors.append(error)
             continue
@@ -297,6 +303,12 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         if cache is not None:
             cache.put(key, findings, errors, deps)
     return result
+
+
+def _read_files(args) -> list:
+    """_read of each (path, named on the command line) of a list: [(entry, error)]."""
+    files, (content_key, imported_names, rules) = args
+    return [_read(path, content_key, imported_names, rules, force=force) for path, force in files]
 
 
 def _analyse_component(args) -> tuple:

@@ -10,10 +10,11 @@ import os
 import pickle
 import selectors
 import sys
-from typing import Optional
+from typing import Iterator, Optional
 
 POOL_MIN_COMPONENTS = 4
 APART_MIN_TEXT = 2_000_000      # characters of text: a component this large runs apart even alone
+READ_APART_MIN_FILES = 400      # files to read: this many are read by several processes
 
 
 def _usable_cpus() -> int:
@@ -50,16 +51,27 @@ class _Pool:
         return [run_forked(fn, [item], 1)[0] if apart and sizes[i] >= APART_MIN_TEXT else fn(item)
                 for i, item in enumerate(work)]
 
+    def read_all(self, fn, files: list, context) -> Iterator:
+        """The (entry, error) of each file, in order: ``fn((files, context))`` -- split among forked
+        children when the files are many and more than one job is allowed (reading and sorting the
+        files of a large tree is a second of a lint of its own)."""
+        if self.jobs <= 1 or not hasattr(os, "fork") or len(files) < READ_APART_MIN_FILES:
+            return iter(fn((files, context)))
+        jobs = self.jobs
+        answers = run_forked(fn, [(files[k::jobs], context) for k in range(jobs)], jobs, warm=False)
+        return (answers[i % jobs][i // jobs] for i in range(len(files)))     # dealt out in turn, read back so
+
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def run_forked(fn, work: list, jobs: int) -> list:
+def run_forked(fn, work: list, jobs: int, warm: bool = True) -> list:
     """``[fn(item) for item in work]``, each item in a forked child, ``jobs`` at a time. An exception
     ``fn`` raised is raised here (the first one, in the order of ``work``); an item whose child ended
     without an answer (killed, out of memory) is run here."""
-    _warm()
+    if warm:
+        _warm()
     answers: list = [None] * len(work)
     todo = list(range(len(work)))
     running: dict = {}              # pipe fd -> (index, pid, chunks read)
