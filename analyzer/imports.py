@@ -72,7 +72,7 @@ def module_paths(path: str, level: int, name: str, roots: list) -> list:
     key = (here, level, name, tuple(roots))
     found = _module_paths_cache.get(key)
     if found is None:
-        if len(_module_paths_cache) > 200_000:
+        if len(_module_paths_cache) > 50_000:
             _module_paths_cache.clear()
             _targets.clear()
         found = _module_paths_cache[key] = _module_paths(here, level, name, roots)
