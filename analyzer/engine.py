@@ -1,10 +1,10 @@
 """The pipeline, one stage a module:
 
-find files (files.py) -> read and filter by words (source.py) -> parse (parse.py) -> index the project
+find files (files.py) -> read and filter by words (source.py, gate.py) -> parse (parse.py) -> index the project
 (project/index.py, definitions.py, resolution.py) -> abstract values (project/values.py, value_*.py) -> the
 sync dataflow of every training loop (project/syncflow.py, flow_state.py, loops.py; events.py, event_calls.py,
-event_methods.py, micro_step.py, sync_control.py) -> facts (project/facts.py, static.py) -> rules (rules/)
--> report.
+event_methods.py, micro_step.py, sync_control.py) -> facts (project/facts.py, gradient_cache.py, static.py) ->
+rules (rules/) -> report.
 
 ``check_source`` runs it on one text; ``lint`` on files and folders, as one project: a loop in
 ``engine.py`` sees the DDP model ``main.py`` built, and findings are reported in the file where the
@@ -15,25 +15,19 @@ from __future__ import annotations
 import ast
 import gc
 import os
-import re
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
 from synccheck.analyzer.ftypes import FileError, Finding, LintResult
+# which files are wanted (gate.py) and the process pool (pool.py): their names stay importable from here
+from synccheck.analyzer.gate import (DRIVER_CALL, DRIVER_WORDS, LOOP_WORDS, PROJECT_WORDS, _driver_call,  # noqa: F401
+                                     _Entry, _no_key, _read, eager)
+from synccheck.analyzer.pool import POOL_MIN_COMPONENTS, _Pool, _usable_cpus  # noqa: F401
 from synccheck.analyzer.rules import ALL_RULES, BY_CODE
 from synccheck.analyzer.source import decode_source, read_bytes
 from synccheck.analyzer.suppress import ALL, SUPPRESS, SUPPRESS_FILE, file_ignores, ignored, suppressed
 
 __all__ = ["check_source", "lint", "select_rules", "wanted_rules", "SUPPRESS", "SUPPRESS_FILE"]
-
-# A file is parsed only if it holds one of these: what a training loop, a wrapper, a sync control, a
-# sampler or a collective is spelled with. The rest of a code base (most of it) is never parsed.
-PROJECT_WORDS = (b"backward", b"DistributedDataParallel", b"FullyShardedDataParallel", b"fully_shard", b"DDP",
-                 b"no_sync", b"require_backward_grad_sync", b"set_requires_gradient_sync", b"Accelerator",
-                 b".prepare(", b"Fabric", b"deepspeed", b"DistributedSampler", b"barrier", b"all_reduce",
-                 b"wait_for_everyone", b"broadcast", b"all_gather", b"GradientAccumulator", b"accumulate(",
-                 b"rank", b"main_process", b"is_master", b"master_process")
-
 
 class RuleContext:
     """What a rule sees: the whole-program model, and how to report."""
@@ -222,53 +216,6 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     return result
 
 
-class _Entry:
-    """One discovered file: its content key, whether the analysis wants it (gated: it may matter;
-    eager: it may hold a finding, so it is parsed up front), its imports, its text."""
-    __slots__ = ("path", "key", "gated", "imports", "text", "notebook", "linted", "eager")
-
-    def __init__(self, path, key, gated, imports, text=None, notebook=None, linted=True, eager=False) -> None:
-        self.path = path
-        self.key = key
-        self.gated = gated
-        self.imports = imports
-        self.text = text
-        self.notebook = notebook
-        self.linted = linted
-        self.eager = eager
-
-
-def eager(text: str, rules: Sequence) -> bool:
-    """Can this file hold a finding? A rule wants its words, or it runs a training loop whose
-    backward or step may be in another file. Other files of a component are parsed only if the
-    analysis needs them (an import, a caller, a base class)."""
-    if any(r.code != "SC000" and (r.wants(text) or r.reaches(text)) for r in rules):
-        return True
-    return ("for " in text or "while " in text) and (any(w in text for w in LOOP_WORDS) or _driver_call(text))
-
-
-LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_backward_grad_sync")
-# a script whose loop drives a trainer defined elsewhere: ``trainer.mlm_step(batch)``, ``train_one_epoch(...)``.
-# The same calls twice on purpose: substrings on the raw bytes of every file (cheap), the regex only on
-# the decoded text of the files that pass them.
-DRIVER_WORDS = (b"_step(", b"fit_batch(", b"train_batch(", b"train_one_epoch(", b"train_epoch(")
-DRIVER_CALL = re.compile(r"\w_step\(|fit_batch\(|train_batch\(|train_one_epoch\(|train_epoch\(")
-_WORD_CHAR = re.compile(r"\w")
-
-
-def _driver_call(text: str) -> bool:
-    """``DRIVER_CALL.search(text) is not None``, with str.find: a regex whose every branch may start at
-    any word character is tried at every position of the text."""
-    if any(w in text for w in ("fit_batch(", "train_batch(", "train_one_epoch(", "train_epoch(")):
-        return True
-    at = text.find("_step(", 1)
-    while at != -1:
-        if _WORD_CHAR.match(text, at - 1):
-            return True
-        at = text.find("_step(", at + 1)
-    return False
-
-
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
     rules = [BY_CODE[c] for c in codes]
     from synccheck.analyzer.cache import component_key, content_key as hashed_key
@@ -281,18 +228,24 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     explicit = {os.path.abspath(p) for p in paths if os.path.isfile(p)}
     entries: dict = {}
     fresh_files = 0
+    known = {}
+    for path in files:
+        found = cache.fresh(path) if cache is not None and not path.endswith(".ipynb") else None
+        if found is not None:
+            known[path] = found
+    # a file named on the command line is analysed even without our words: its loop may run
+    # a backward through a helper in another file (a pre-commit hook passes such files)
+    reads = pool.read_all(_read_files, [(path, os.path.abspath(path) in explicit) for path in files
+                                        if path not in known], (content_key, imported_names, rules))
     for path in files:
         apath = os.path.abspath(path)
-        known = cache.fresh(path) if cache is not None and not path.endswith(".ipynb") else None
-        if known is not None:
-            key, gated, imports, is_eager = known
+        if path in known:
+            key, gated, imports, is_eager = known[path]
             entries[apath] = _Entry(path, key, gated or apath in explicit, imports,
                                     eager=is_eager or apath in explicit)
             fresh_files += 1
             continue
-        # a file named on the command line is analysed even without our words: its loop may run
-        # a backward through a helper in another file (a pre-commit hook passes such files)
-        entry, error = _read(path, content_key, imported_names, rules, force=apath in explicit)
+        entry, error = next(reads)
         if error is not None:
             result.errors.append(error)
             continue
@@ -336,11 +289,13 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         1 for _, members in work for e in members if e.text is None)
     if len(work) >= POOL_MIN_COMPONENTS:
         pool.start()
-    order = sorted(range(len(work)), key=lambda i: -sum(len(e.text or "") + 1 for e in work[i][1]))
+    sizes = [sum(len(e.text or "") + 1 for e in members) for _, members in work]
+    order = sorted(range(len(work)), key=lambda i: -sizes[i])
     # the files that may hold a finding travel with their text; the others are read if needed
     jobs_in = [([(e.path, e.text if e.eager else None, e.notebook, e.linted, e.eager, e.imports)
                  for e in work[i][1]], codes, edits) for i in order]
-    for i, (findings, errors, parsed, deps) in zip(order, pool.map(_analyse_component, jobs_in)):
+    results = pool.map(_analyse_component, jobs_in, [sizes[i] for i in order])
+    for i, (findings, errors, parsed, deps) in zip(order, results):
         key, members = work[i]
         result.findings.extend(findings)
         result.errors.extend(errors)
@@ -350,30 +305,10 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     return result
 
 
-def _no_key(data: bytes) -> str:
-    return ""
-
-
-def _read(path: str, content_key, imported_names, rules, force: bool = False):
-    if path.endswith(".ipynb"):
-        from synccheck.analyzer.notebook import read_notebook
-        notebook, error = read_notebook(path)
-        if error is not None:
-            return None, error
-        data = notebook.text.encode()
-        return _Entry(path, content_key(data), True, imported_names(data), notebook.text, notebook,
-                      eager=True), None
-    data, error = read_bytes(path)
-    if data is None:
-        return None, error
-    key = content_key(data)
-    if not force and not any(w in data for w in PROJECT_WORDS) and not any(w in data for w in DRIVER_WORDS) and \
-            b"\0" not in data[:8192]:
-        return _Entry(path, key, False, []), None     # nothing here a rule could use: not even decoded
-    text, error = decode_source(path, data)
-    if error is not None:
-        return None, error
-    return _Entry(path, key, True, imported_names(data), text, eager=force or eager(text, rules)), None
+def _read_files(args) -> list:
+    """_read of each (path, named on the command line) of a list: [(entry, error)]."""
+    files, (content_key, imported_names, rules) = args
+    return [_read(path, content_key, imported_names, rules, force=force) for path, force in files]
 
 
 def _analyse_component(args) -> tuple:
@@ -449,40 +384,3 @@ def _mapped(findings: list, notebook) -> list:
     return notebook.map_findings(findings) if notebook is not None else findings
 
 
-# ---------------------------------------------------------------------------------------------------
-# the process pool
-
-POOL_MIN_COMPONENTS = 4
-
-
-def _usable_cpus() -> int:
-    """The CPUs this process may run on: under ``taskset`` or a container's CPU set, os.cpu_count()
-    counts the whole machine, and a worker per core there would only take turns on the few allowed."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):     # not on Linux
-        return os.cpu_count() or 1
-
-
-class _Pool:
-    """A process pool started on demand, only where enough components make it pay."""
-
-    def __init__(self, jobs: int) -> None:
-        self.jobs = jobs
-        self.executor = None
-
-    def start(self) -> None:
-        if self.executor is None and self.jobs > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-            context = multiprocessing.get_context("fork") if hasattr(os, "fork") else None
-            self.executor = ProcessPoolExecutor(max_workers=self.jobs, mp_context=context)
-
-    def map(self, fn, work: list) -> list:
-        if self.executor is None or len(work) < 2:
-            return list(map(fn, work))
-        return list(self.executor.map(fn, work, chunksize=1))
-
-    def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=True, cancel_futures=True)

@@ -72,7 +72,7 @@ def module_paths(path: str, level: int, name: str, roots: list) -> list:
     key = (here, level, name, tuple(roots))
     found = _module_paths_cache.get(key)
     if found is None:
-        if len(_module_paths_cache) > 200_000:
+        if len(_module_paths_cache) > 50_000:
             _module_paths_cache.clear()
             _targets.clear()
         found = _module_paths_cache[key] = _module_paths(here, level, name, roots)
@@ -171,6 +171,7 @@ class Components:
         known = dict(files)
         todo = list(files)
         hops = 0
+        is_file: dict = {}          # the same candidates come up for many files: each is looked at once
         while todo:
             path = todo.pop()
             self.parent.setdefault(path, path)
@@ -179,7 +180,8 @@ class Components:
                     if candidate in known:
                         self.union(path, candidate)
                         break
-                    if hops < MAX_HOPS and os.path.isfile(candidate):
+                    if hops < MAX_HOPS and (is_file[candidate] if candidate in is_file else
+                                            is_file.setdefault(candidate, os.path.isfile(candidate))):
                         hops += 1
                         imports = read_imports(candidate)
                         known[candidate] = imports

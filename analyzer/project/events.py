@@ -53,6 +53,12 @@ class FlowPartial(NamedTuple):
 
 
 NONE_VAL = EnvVal(((TRUE, frozenset((Const(None),))),))
+_new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
+
+
+def _versioned(value: EnvVal, version) -> EnvVal:
+    """``value._replace(version=version)``, made directly for an EnvVal (assignments run all the time)."""
+    return _new(EnvVal, value[:4] + (version,)) if value.__class__ is EnvVal else value._replace(version=version)
 
 
 def _val(vals, prov=frozenset(), scaled=None, cond=None, version=0) -> EnvVal:
@@ -191,7 +197,7 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
     version = version if version is not None else id(stmt)
     t = type(target)
     if t is ast.Name:
-        st.env[target.id] = value._replace(version=version)
+        st.env[target.id] = _versioned(value, version)
     elif t in (ast.Tuple, ast.List):
         for i, el in enumerate(target.elts):
             if isinstance(el, ast.Starred):
@@ -213,7 +219,7 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
             return
         dotted = _dotted(target)
         if dotted is not None:
-            st.env[dotted] = value._replace(version=version)
+            st.env[dotted] = _versioned(value, version)
 
 
 def _cond_of(flow, value: EnvVal, node, st, fr) -> tuple:

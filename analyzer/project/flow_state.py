@@ -23,7 +23,9 @@ class St:
         self.env = env
 
     def copy(self) -> "St":
-        return St(dict(self.props), dict(self.env))
+        # the properties are shared: a dict of properties is never changed in place once a state
+        # holds it (each change makes a new one), while the environment is
+        return St(self.props, dict(self.env))
 
 
 DEAD = None
@@ -50,7 +52,7 @@ class Frame:
 def _same(a: Optional[St], b: Optional[St]) -> bool:
     if a is None or b is None:
         return a is b
-    return a.props == b.props and a.env == b.env
+    return (a.props is b.props or a.props == b.props) and a.env == b.env
 
 
 def _merge_props(items) -> dict:

@@ -13,7 +13,7 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project import events
-from synccheck.analyzer.project.flow_state import Frame, St, _merge_props, _same
+from synccheck.analyzer.project.flow_state import Frame, St, _merge_props, _same  # noqa: F401
 from synccheck.analyzer.project.guards import TRUE, exists
 from synccheck.analyzer.project.state import EnvVal, Prop, Token
 from synccheck.analyzer.project.values import ONE_UNKNOWN
@@ -63,6 +63,28 @@ class LoopInfo:
         if found is None:
             found = self._each[test] = test(self.node)
         return found
+
+
+_new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
+
+
+def _with_first(items, loop: int, entering: bool) -> dict:
+    """Properties with ``loop`` added to (entering: ``{p._replace(first=...): g}``, the last guard of
+    properties that become equal kept) or taken from (leaving: _merge_props, their guards OR-ed)
+    their first iterations."""
+    out: dict = {}
+    firsts: dict = {}
+    for p, g in items:
+        first = firsts.get(p.first)
+        if first is None:
+            first = firsts[p.first] = p.first | {loop} if entering else p.first - {loop}
+        key = _new(Prop, p[:4] + (first,))
+        if entering:
+            out[key] = g
+        else:
+            old = out.get(key)
+            out[key] = g if old is None else old | g
+    return out
 
 
 def _int(node) -> Optional[int]:
@@ -120,7 +142,7 @@ class Loops:
         turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
         if is_for and info.each(_steps_each):
             self.optimizer_loops.add(info.id)
-        entry = St({p._replace(first=p.first | {info.id}): g for p, g in st.props.items()}, dict(st.env))
+        entry = St(_with_first(st.props.items(), info.id, True), dict(st.env))
         head = entry
         end = None
         for _ in range(MAX_LOOP_ROUNDS):
@@ -158,7 +180,7 @@ class Loops:
         if out is not None and s.orelse:
             out = self.block(s.orelse, out, fr)
         if out is not None:
-            out = St(_merge_props((p._replace(first=p.first - {info.id}), g) for p, g in out.props.items()), out.env)
+            out = St(_with_first(out.props.items(), info.id, False), out.env)
         return out
 
     def back_edge(self, st: Optional[St], info: LoopInfo):
@@ -168,16 +190,19 @@ class Loops:
             return None
         forget = [a.index for a in self.atoms.atoms if self._loop_dependent(a, info)]
         props: dict = {}
-        universe, this_loop = self.atoms.universe, {info.id}
+        universe, this_loop, firsts = self.atoms.universe, {info.id}, {}
         for prop, guard in st.props.items():
             # (prop._replace and token._replace, spelled out: this runs for every property every turn)
             tokens = prop.tokens
             if any(t.frozen is None for t in tokens):
-                tokens = tuple(Token._make(t[:8] + (guard,)) if t.frozen is None else t for t in tokens)
+                tokens = tuple(_new(Token, t[:8] + (guard,)) if t.frozen is None else t for t in tokens)
             g = guard
             for k in forget:
                 g = exists(g, k)
-            key = Prop._make((prop.controls, prop.flags, prop.forwards, tokens, prop.first - this_loop))
+            first = firsts.get(prop.first)
+            if first is None:
+                first = firsts[prop.first] = prop.first - this_loop
+            key = _new(Prop, (prop.controls, prop.flags, prop.forwards, tokens, first))
             old = props.get(key)
             props[key] = (g & universe) if old is None else old | (g & universe)
         env = {}

@@ -46,16 +46,27 @@ class Resolution:
         return self._load(found) if found else None
 
     def _find_file(self, directory: str, parts: list) -> Optional[Module]:
-        path = self._find_path(directory, parts) if parts else _init_file(directory)
+        path = self._find_path(directory, parts) if parts else self._init_file(directory)
         return self._load(path) if path else None
 
-    @staticmethod
-    def _find_path(root: str, parts: list) -> Optional[str]:
+    def _find_path(self, root: str, parts: list) -> Optional[str]:
+        # the file system is read once per project for each path: many importers ask for the same
+        key = (root, tuple(parts))
+        if key in self._paths:
+            return self._paths[key]
         base = os.path.join(root, *parts)
         if os.path.isfile(base + ".py"):
-            return os.path.abspath(base + ".py")
-        init = _init_file(base)
-        return init
+            found = os.path.abspath(base + ".py")
+        else:
+            found = self._init_file(base)
+        self._paths[key] = found
+        return found
+
+    def _init_file(self, directory: str) -> Optional[str]:
+        key = (directory, None)
+        if key not in self._paths:
+            self._paths[key] = _init_file(directory)
+        return self._paths[key]
 
     def _search_roots(self, importer: Module) -> list:
         """Where ``import x`` may find x: the importer's own folder (a script's folder is on sys.path),

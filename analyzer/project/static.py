@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 
 from synccheck.analyzer.project.values import Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper
-from synccheck.analyzer.project.traversal import walk
+from synccheck.analyzer.project.traversal import block_nodes, walk
 
 class Unwrapped(NamedTuple):
     module: object
@@ -263,13 +263,14 @@ def _has_epoch_loop(program) -> bool:
         text = project.catalog_text(apath) if apath in project.catalog else None
         if text is not None and _EPOCH_LOOP.search(text):
             return True
+    # (loops are statements: the statements of each tree are looked at, not every node)
     for module in program.project.modules():
-        for node in walk(module.tree):
+        for node in block_nodes(module.tree):
             if isinstance(node, (ast.For, ast.While)):
                 target = ast.unparse(node.target) if isinstance(node, ast.For) else ""
                 if "epoch" in target.lower():
                     return True
-                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in walk(b)):
+                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)):
                     return True
     return False
 

@@ -251,14 +251,23 @@ class Flow(Loops):
             return None
         if len(live) == 1:
             return live[0]
-        props = dict(live[0].props)
+        # a dict of properties met twice (states copied from one another, that changed none) is
+        # OR-ed in once: the OR of a guard with itself is itself
+        first = live[0].props
+        others = []
         for s in live[1:]:
-            for p, g in s.props.items():
+            if s.props is not first and all(s.props is not o for o in others):
+                others.append(s.props)
+        props = dict(first) if others else first
+        for other in others:
+            for p, g in other.items():
                 old = props.get(p)
                 props[p] = g if old is None else old | g
         env = dict(live[0].env)
         pair = formulas if len(live) == 2 else None
         for s in live[1:]:
+            if s.env is live[0].env:
+                continue
             for name, value in s.env.items():
                 mine = env.get(name)
                 if mine is None:

@@ -204,6 +204,27 @@ _BLOCK_FIELDS: dict = {}
 _BLOCK_TYPES = (ast.stmt, ast.excepthandler) + ((ast.match_case,) if hasattr(ast, "match_case") else ())
 
 
+def block_nodes(node) -> list:
+    """The statements (and ``except`` handlers and ``case`` blocks) under ``node``, nested functions
+    and classes included: every node of ``walk(node)`` that is or holds a statement (in another order)."""
+    if isinstance(node, (ast.Module, ast.Interactive)):      # a tree: its statements
+        out, stack = [node], list(node.body)
+    else:
+        out, stack = [], [node]
+    fields_of = _BLOCK_FIELDS
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        cls = n.__class__
+        fields = fields_of.get(cls)
+        if fields is None:
+            fields = fields_of[cls] = tuple(f for f in cls._fields if f in _BLOCKS) \
+                if issubclass(cls, _BLOCK_TYPES) else ()
+        for field in fields:
+            stack.extend(getattr(n, field, None) or ())
+    return out
+
+
 def block_nodes_no_defs(node) -> list:
     """The statements (and ``except`` handlers and ``case`` blocks) of ``walk_no_defs(node)``, in its
     order: the same walk, not entering the expressions, where no statement can be."""
