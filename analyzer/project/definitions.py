@@ -41,6 +41,19 @@ class Function:
         return self.cls is not None and self.parent is None and not any(
             _decorator_name(d) == "staticmethod" for d in self.node.decorator_list)
 
+    @property
+    def abstract(self) -> bool:
+        """A hook for subclasses to fill: its body (past a docstring) only raises NotImplementedError
+        (``def compute_forward(self, batch): raise NotImplementedError``). What a call runs is the
+        override, which we may not see; the base's raise says nothing about it."""
+        body = self.node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
+            return False
+        exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
     def __repr__(self) -> str:
         return f"<Function {self.uid}>"
 

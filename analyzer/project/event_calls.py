@@ -15,6 +15,7 @@ from typing import Optional
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Unknown, Wrapper, parameter_default)
 
@@ -84,6 +85,23 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
+
+
+def _held_models(flow, inst: Inst) -> frozenset:
+    """The data-parallel models an instance keeps in its attributes (``self.model``, the values of
+    ``self.modules``), whatever class of its MRO stores them."""
+    key = ("held", inst.cls.uid)
+    if key not in flow.memo:
+        flow.memo[key] = frozenset()        # a cycle through the attributes reads as none
+        attrs = set()
+        for klass in flow.project.mro(inst.cls):
+            attrs.update(_class_attrs(flow.values, klass))
+        models = set()
+        for attr in sorted(attrs):
+            vals = flow.values.instance_attribute(inst, attr)
+            models |= flow.program.wrappers(vals | flow.values.elements(vals, values_of_dict=True))
+        flow.memo[key] = frozenset(models)
+    return flow.memo[key]
 
 
 def _opaque_object(callee) -> bool:
@@ -165,6 +183,12 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         fn, receiver = method, v
     if fn is None:
         return None
+    if fn.abstract and isinstance(receiver, Inst) and not _prov(*args, *kws.values()):
+        # ``outputs = self.compute_forward(batch)`` on a base class whose subclasses fill the hook:
+        # with the models the instance holds and none of their outputs, the override runs them
+        models = _held_models(flow, receiver)
+        if models:
+            return forward(flow, node, models, args, kws, st, fr)
     if fn.contextmanager:
         key = id(node)
         flow.helpers[key] = (fn, receiver, args, kws, node)
@@ -182,6 +206,8 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
 def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=None,
            control=None) -> Optional[EnvVal]:
     """Analyse ``fn`` in place with the caller's state; None when it cannot matter or cannot be followed."""
+    if fn.abstract:
+        return None         # a hook that subclasses fill: the base's raise is not what runs
     carries = any(a.prov or flow.program.wrappers(a.values) for a in list(args) + list(kws.values()))
     if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
         return None

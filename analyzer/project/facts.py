@@ -46,6 +46,7 @@ class Records:
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
         self.loops_at: dict = {}         # zero_grad / step site -> ids of the loops it ran in (callers' included)
         self.window_loops: dict = {}     # loop id -> whether it is a gradient-cache loop (see window_cache)
+        self.helper_flags: set = set()   # with-item sites of helper contexts that write the DDP flag
         self.bypassed: set = set()       # forward sites that call the module inside a DDP wrapper
 
     def node(self, site, module, node) -> None:

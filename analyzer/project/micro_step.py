@@ -120,7 +120,8 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
             misses = misses and fwd is not None and ((fwd.decided == "on" and now == "off") or fwd.flag_after is not None)
             if misses:
                 flow.records.misses_forward(now_by if fwd.flag_after is None else fwd.flag_after, site, model,
-                                            "flag" if fwd.flag_after is not None else "control", guard)
+                                            "flag" if fwd.flag_after is not None and fwd.flag_after not in flow.records.helper_flags else "control",
+                                            guard)
             outside = model.kind in vocab.FORWARD_DECIDES and fwd is not None and fwd.decided == "off" and now == "on"
             tokens.append(Token(model, site, synced, by, outside, misses, loops, shared))
         yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
@@ -219,6 +220,8 @@ def flag(flow, node, models: frozenset, cond: tuple, st, fr) -> None:
     at_module, at_node = fr.control or (fr.module, node)
     site = site_of(at_module, at_node)
     flow.records.node(site, at_module, at_node)
+    if fr.control:
+        flow.records.helper_flags.add(site)     # a helper context that writes the flag and restores it
     true, false = cond
 
     def transfer(prop, guard):
