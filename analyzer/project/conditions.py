@@ -12,10 +12,12 @@ every atom carries the definitions of the names it reads (so ``i`` before and af
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
-from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form
+from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form, mod_parts
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.traversal import children, walk
 
 BOTH = (TRUE, TRUE)
@@ -37,6 +39,32 @@ def free_names(node) -> list:
                 continue
         stack.extend(children(n))
     return out
+
+
+_SWITCH = re.compile(r"(?:^|_)(?:ddp|distributed|dist|multi_gpu|data_parallel)(?:$|_)|is_initialized$")
+_COUNT = re.compile(r"(?:^|_)(?:world_size|n_gpus?|num_gpus|ngpus?|nprocs|num_processes)$")
+
+
+def distributed_switch(test) -> bool:
+    """``if self.use_ddp or self.use_fsdp:``, ``if args.distributed:``, ``if world_size > 1:``,
+    ``if dist.is_initialized():``: a test that is true exactly when training is distributed. Where
+    it only guards a sync control, its false side is a run with no data-parallel model, where no
+    sync rule has anything to say (FSDP and DeepSpeed switches are not this: they choose a wrapper)."""
+    t = type(test)
+    if t is ast.BoolOp:
+        parts = [distributed_switch(v) for v in test.values]
+        return any(parts) if isinstance(test.op, ast.Or) else all(parts)
+    if t is ast.Call:
+        test = test.func
+        t = type(test)
+    if t is ast.Name or t is ast.Attribute:
+        return bool(_SWITCH.search((test.id if t is ast.Name else test.attr).lower()))
+    if t is ast.Compare and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant):
+        left, op, bound = test.left, test.ops[0], test.comparators[0].value
+        name = left.id if isinstance(left, ast.Name) else left.attr if isinstance(left, ast.Attribute) else ""
+        return bool(_COUNT.search(name.lower())) and isinstance(bound, int) and (
+            (isinstance(op, ast.Gt) and bound == 1) or (isinstance(op, ast.GtE) and bound == 2))
+    return False
 
 
 def volatile(node) -> bool:
@@ -133,13 +161,20 @@ class Conditions:
             # what the test's syntax says, read once per test (a loop's tests are read every turn)
             read = self._read.get(id(written))
             if read is None or read[0] is not written or read[1] is not fr.module:
-                read = self._read[id(written)] = (written, fr.module, _text(fr, node), mod_form(node) if isinstance(
-                    node, ast.Compare) else None, free_names(node), ast.dump(node), volatile(node))
+                parts = mod_parts(node) if isinstance(node, ast.Compare) else None
+                read = self._read[id(written)] = (
+                    written, fr.module, _text(fr, node),
+                    None if parts is None else (ast.dump(parts[0]), ast.dump(parts[1]), parts[2], parts),
+                    free_names(node), ast.dump(node), volatile(node))
             _, _, text, mod, names, dump, changes = read
             versions = tuple(self.flow.version(n, st) for n in names)
             if mod is not None:
-                key = ("MOD", mod, versions)
-                atom = self.atoms.get(key, text, ((mod[0], versions), mod[1], mod[2]))
+                # the counter and the modulus by what they are copies of: one count read under
+                # several names (a parameter, ``accum = self.accum``, a dict's entry) is one atom
+                base, modulus, residue = mod[3]
+                counted = (self._canonical(base, st), self._canonical(modulus, st))
+                key = ("MOD", counted, residue)
+                atom = self.atoms.get(key, text, (counted[0], counted[1], residue))
             else:
                 atom = self.atoms.get((dump, versions), text)
             if atom is None:
@@ -151,6 +186,12 @@ class Conditions:
             self.flow.note_atom(atom, versions, changes or fr.depth > 0)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
+
+    def _canonical(self, node, st):
+        origin = origin_of(node, st)
+        if origin is not None and origin[0] == "name":
+            return origin
+        return ("expr", ast.dump(node), tuple(self.flow.version(n, st) for n in free_names(node)))
 
     def _last(self, node, st, fr):
         """The LAST atom of an enclosing counted loop, when the test reads its counter that way."""

@@ -220,11 +220,15 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
         env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))
         params = params[1:]
     kwonly = {a.arg for a in fn.node.args.kwonlyargs}
+    kw_nodes = {kw.arg: kw.value for kw in node.keywords if kw.arg is not None}
     for i, name in enumerate(params):
+        source = None
         if name in kws:
             value = kws[name]
+            source = kw_nodes.get(name)
         elif i < len(positional) and name not in kwonly and not any(isinstance(a, ast.Starred) for a in node.args[:i + 1]):
             value = positional[i]
+            source = node.args[i] if i < len(node.args) else None
         elif not node.keywords or all(k.arg is not None for k in node.keywords):
             # not passed: a literal default is what the callee sees (``update_grad=True``)
             default = _literal_default(fn.node, name)
@@ -233,7 +237,10 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
             value = expr(flow, default, st, fr)
         else:
             continue
-        env[name] = value._replace(version=("arg", id(node), i))
+        origin = value.origin
+        if origin is None and source is not None and type(source) in _COPIES:
+            origin = origin_of(source, st)
+        env[name] = value._replace(version=("arg", id(node), i), origin=origin)
     key = None
     if yield_handler is None:
         key = (fn.uid, tuple(sorted((k, _freeze(v)) for k, v in env.items())), frozenset(st.props.items()), fr.no_grad > 0)
@@ -270,12 +277,13 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
 
 
 def _freeze(value: EnvVal):
-    return (value.alts, value.prov, value.scaled, value.cond)
+    return (value.alts, value.prov, value.scaled, value.cond, value.origin)
 
 
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
-from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, _deco, _prov,
-                                               _val, expr)
+from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial,
+                                               _deco, _prov, _val, expr)
+from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler
 from synccheck.analyzer.project.micro_step import forward, inner_forward

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.guards import TRUE
-from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.state import EnvVal, origin_of
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Bag, Const, CtxFactory, Inst, Tup, site_of
 from synccheck.analyzer.project.traversal import children, walk
 
@@ -53,12 +53,14 @@ class FlowPartial(NamedTuple):
 
 
 NONE_VAL = EnvVal(((TRUE, frozenset((Const(None),))),))
+_NONE = Const(None)
 _new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
 
 
 def _versioned(value: EnvVal, version) -> EnvVal:
     """``value._replace(version=version)``, made directly for an EnvVal (assignments run all the time)."""
-    return _new(EnvVal, value[:4] + (version,)) if value.__class__ is EnvVal else value._replace(version=version)
+    return _new(EnvVal, value[:4] + (version, value[5])) if value.__class__ is EnvVal else \
+        value._replace(version=version)
 
 
 def _val(vals, prov=frozenset(), scaled=None, cond=None, version=0) -> EnvVal:
@@ -90,7 +92,10 @@ def expr(flow, node, st, fr) -> EnvVal:
         if dotted is not None and dotted in st.env:
             return st.env[dotted]
         recv = expr(flow, node.value, st, fr)
-        vals = flow.values.attribute(recv.values, node.attr, node, fr.scope)
+        receivers = recv.values
+        if len(receivers) > 1 and _NONE in receivers:
+            receivers = receivers - {_NONE}      # ``model=None`` by default: an attribute of it is another path's
+        vals = flow.values.attribute(receivers, node.attr, node, fr.scope)
         if node.attr == "no_sync" and not any(isinstance(v, Inst) and flow.project.attribute(v.cls, "no_sync")
                                               is not None for v in recv.values):
             vals = frozenset(v for v in vals if not isinstance(v, CtxFactory)) | {
@@ -197,6 +202,12 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
     version = version if version is not None else id(stmt)
     t = type(target)
     if t is ast.Name:
+        source = getattr(stmt, "value", None)
+        if source is not None and type(source) in _COPIES and type(stmt) in (ast.Assign, ast.AnnAssign) and (
+                getattr(stmt, "target", None) is target or target in getattr(stmt, "targets", ())):
+            origin = origin_of(source, st)
+            if origin is not None:
+                value = value._replace(origin=origin)
         st.env[target.id] = _versioned(value, version)
     elif t in (ast.Tuple, ast.List):
         for i, el in enumerate(target.elts):
@@ -220,6 +231,9 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
         dotted = _dotted(target)
         if dotted is not None:
             st.env[dotted] = _versioned(value, version)
+
+
+_COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict)
 
 
 def _cond_of(flow, value: EnvVal, node, st, fr) -> tuple:

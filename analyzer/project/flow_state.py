@@ -89,7 +89,8 @@ def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
         alts = ((TRUE, merged),)
     version = a.version if a.version == b.version else ("merge", _vkey(a.version), _vkey(b.version))
     return EnvVal(alts, a.prov | b.prov, _scaled_or(a.scaled, b.scaled) if (a.scaled or b.scaled) else
-                  (None if a.scaled is None or b.scaled is None else False), cond, version)
+                  (None if a.scaled is None or b.scaled is None else False), cond, version,
+                  a.origin if a.origin == b.origin else None)
 
 
 def _vkey(v):

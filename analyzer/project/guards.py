@@ -141,6 +141,12 @@ def _compatible(a, b) -> bool:
 
 def mod_form(node: ast.AST):
     """``(x + c) % n == r`` (or ``x % n == n - 1``) -> (x dump, n dump, r - c); None otherwise."""
+    parts = mod_parts(node)
+    return None if parts is None else (ast.dump(parts[0]), ast.dump(parts[1]), parts[2])
+
+
+def mod_parts(node: ast.AST):
+    """``(x + c) % n == r`` -> (x, n, r - c) with x and n the expressions; None otherwise."""
     if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq)):
         return None
     left, right = node.left, node.comparators[0]
@@ -161,7 +167,7 @@ def mod_form(node: ast.AST):
         residue = -right.right.value
     else:
         return None
-    return ast.dump(base), modulus, residue - offset
+    return base, left.right, residue - offset
 
 
 def last_form(node: ast.AST, target: str, bound: str) -> Optional[bool]:

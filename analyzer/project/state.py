@@ -21,7 +21,10 @@ with the number of branches (property simulation, after Das, Lerner and Seigle, 
 """
 from __future__ import annotations
 
+import ast
 from typing import NamedTuple, Optional
+
+from synccheck.analyzer.parse import dotted as _dotted
 
 PLAIN = "<plain>"      # the model key of a backward through no data-parallel wrapper
 
@@ -69,6 +72,7 @@ class EnvVal(NamedTuple):
     scaled: Optional[bool] = None     # divided / multiplied on the way (None: cannot tell)
     cond: Optional[tuple] = None      # (true, false) guards when it is a condition
     version: object = 0               # which definition of the name reaches here
+    origin: object = None             # the value it is a copy of (events.origin_of), for counters
 
     @property
     def values(self) -> frozenset:
@@ -104,3 +108,34 @@ def sync_state(prop: Prop, model, managed_models=frozenset()) -> tuple:
     if flag is not None:
         return flag
     return "on", None
+
+
+def origin_of(node, st):
+    """What a counter or modulus expression is a copy of, so that one count read under several
+    names is one condition: ``accum = self.accum`` and ``self.accum``, a loop's ``batch_idx`` and
+    the callee's ``batch_idx = loss_dict["batch_idx"]`` read from ``{"batch_idx": batch_idx}``, a
+    parameter and the argument passed in. ("name", text, version) for a name or attribute chain,
+    ("dict", ((key, origin), ...)) for a dict literal, None when it is none of these."""
+    t = type(node)
+    if t is ast.Name or t is ast.Attribute:
+        text = node.id if t is ast.Name else _dotted(node)
+        if text is None:
+            return None
+        known = st.env.get(text)
+        if known is None:
+            return ("name", text, 0)
+        return known.origin if known.origin is not None else ("name", text, known.version)
+    if t is ast.Subscript and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        within = origin_of(node.value, st)
+        if within is not None and within[0] == "dict":
+            return next((o for k, o in within[1] if k == node.slice.value), None)
+        return None
+    if t is ast.Dict and len(node.keys) <= 64:
+        fields = []
+        for k, v in zip(node.keys, node.values):
+            if isinstance(k, ast.Constant) and isinstance(k.value, str):
+                o = origin_of(v, st)
+                if o is not None:
+                    fields.append((k.value, o))
+        return ("dict", tuple(fields)) if fields else None
+    return None

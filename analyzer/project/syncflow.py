@@ -20,11 +20,12 @@ that syncflow.py held before stays importable from here.
 from __future__ import annotations
 
 import ast
+import re
 from itertools import islice
 from typing import Optional
 
 from synccheck.analyzer.project import events
-from synccheck.analyzer.project.conditions import Conditions
+from synccheck.analyzer.project.conditions import Conditions, distributed_switch
 from synccheck.analyzer.project.facts import Records
 from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms
 from synccheck.analyzer.project.definitions import Function
@@ -35,6 +36,8 @@ from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props,
 from synccheck.analyzer.project.entry_points import per_call_loop, then_call
 from synccheck.analyzer.project.program import lightning_manual_step
 from synccheck.analyzer.project.loops import MAX_LOOP_ROUNDS, LoopCtx, LoopInfo, Loops, _int, _loop_head, _steps_each
+
+_SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync")
 
 MAX_DEPTH = 8
 MAX_WORK = 60_000          # statements executed per root, inlined calls included
@@ -179,6 +182,9 @@ class Flow(Loops):
                 true, false = TRUE, 0
             elif self.program.steps_in(s.orelse, fr) and not self.program.steps_in(s.body, fr):
                 true, false = 0, TRUE
+        if not s.orelse and true and false and distributed_switch(s.test) and _SYNC_TEXT.search(
+                fr.module.segment(s) or ""):
+            true, false = TRUE, 0       # the run with no data-parallel model has nothing to check
         outer_gate = fr.gate
         fr.gate = outer_gate or gate
         body = self.block(s.body, self.restrict(st.copy(), true), fr) if true else None
