@@ -109,14 +109,14 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             step(flow, node, optims | engines, st, fr)
             return NONE_VAL
         if _unknown(vals) and vocab.looks_like_optimizer(_name(node.func.value)):
-            step(flow, node, frozenset(), st, fr)
+            step(flow, node, frozenset(), st, fr, unknown=True)
             return NONE_VAL
         return None
     if attr == "zero_grad" and not project_method:
         if _unknown(vals) and not vocab.looks_like_optimizer(_name(node.func.value)) and \
-                not _name(node.func.value).endswith("model"):
+                not _name(node.func.value).endswith("model") and not program.wrappers(vals):
             return None
-        zero_grad(flow, node, vals, st, fr)
+        zero_grad(flow, node, vals, st, fr, unknown=_unknown(vals) and vocab.looks_like_optimizer(_name(node.func.value)))
         return NONE_VAL
     if attr == "no_sync" and not node.args:
         models = program.wrappers(vals)

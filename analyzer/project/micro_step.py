@@ -149,13 +149,15 @@ def _owned(flow, optims: frozenset) -> Optional[frozenset]:
     return frozenset(out)
 
 
-def step(flow, node, optims: frozenset, st, fr) -> None:
+def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
+    """``optimizer.step()``; ``unknown``: an optimizer we know only by its name, which, stepped inside
+    ``accelerator.accumulate``, is one accelerate prepared (the context does nothing otherwise)."""
     site = site_of(fr.module, node)
     flow.records.node(site, fr.module, node)
     models = _owned(flow, frozenset(v for v in optims if isinstance(v, (Optim, Wrapper))))
     # an optimizer accelerate prepared steps, inside ``accelerator.accumulate``, only when
     # ``accelerator.sync_gradients`` holds: off the boundary the step is a no-op
-    managed = bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)
+    managed = (bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)) or unknown
     gate = _sync_gradients_atom(flow) if managed else None
     # stepping each of several optimizers in a loop is one step, in the loops around that loop
     loops = tuple(i for i in flow.loop_stack if i not in flow.optimizer_loops)
@@ -191,7 +193,9 @@ def _sync_gradients_atom(flow):
     return atom
 
 
-def zero_grad(flow, node, vals: frozenset, st, fr) -> None:
+def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> None:
+    """``zero_grad()`` on an optimizer or a model; ``unknown``: on an optimizer we know only by its
+    name, which leaves alone the gradients of micro-steps inside ``accelerator.accumulate`` (see step)."""
     if any(isinstance(v, Optim) and v.managed for v in vals) or \
             any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
         return
@@ -205,7 +209,9 @@ def zero_grad(flow, node, vals: frozenset, st, fr) -> None:
     def transfer(prop, guard):
         kept = []
         for token in prop.tokens:
-            if models is None or token.model in models or token.model == PLAIN:
+            if unknown and token.synced == "managed":
+                kept.append(token)
+            elif models is None or token.model in models or token.model == PLAIN:
                 flow.records.resolve(token, "wiped", site, guard)
             else:
                 kept.append(token)

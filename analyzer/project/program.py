@@ -16,7 +16,7 @@ from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
 from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
 from synccheck.analyzer.project.traversal import block_nodes_no_defs, children, walk, walk_no_defs
-from synccheck.analyzer.project.values import (CALL_WORD, Bound, Cls, Func, Inner, Inst, LocalSGD, Obj, Values,
+from synccheck.analyzer.project.values import (CALL_WORD, Bound, Cls, Framework, Func, Inner, Inst, LocalSGD, Obj, Values,
                                                Wrapper)
 
 # Calls whose names make a file worth a root: words a training loop must say.
@@ -325,6 +325,16 @@ class Program:
                         continue
                     if isinstance(call.func, ast.Attribute):
                         self._infer_from(self.values.expr(call.func.value, scope), kind, wrapped)
+            # ``with accelerator.accumulate(self.policy):`` on a parameter: a model the caller
+            # prepared (a module made here and never prepared is SC104's case, not this)
+            for scope, call in self.values.calls("accumulate"):
+                if call.args and isinstance(call.func, ast.Attribute) and any(
+                        isinstance(v, Framework) and v.kind == "accelerate"
+                        for v in self.values.expr(call.func.value, scope)):
+                    model = self.values.expr(call.args[0], scope)
+                    here = scope.module.segment(scope.node) if isinstance(scope, Function) else scope.text
+                    if "prepare(" not in here and all(isinstance(v, Obj) and len(v.site) == 4 for v in model):
+                        self._infer_from(model, "accelerate", wrapped)
             for module in self.project.modules():
                 if _UNCALLED_NO_SYNC.search(module.text):
                     # ``ctx = model.no_sync if ... else nullcontext``: the method itself, called later
@@ -347,8 +357,8 @@ class Program:
                     self._infer_from(self.values.expr(n.value, scope), "ddp", wrapped)
 
     def _infer_from(self, vals, kind: str, wrapped: dict) -> None:
-        if any(isinstance(v, (Wrapper, Inner)) for v in vals):
-            return
+        if any(isinstance(v, (Wrapper, Inner, Framework)) for v in vals):
+            return          # (``accelerator.no_sync``: the framework's own context, not a DDP model)
         for v in vals:
             if isinstance(v, Obj) and v not in wrapped:
                 self._inferred.setdefault(v.site, kind)

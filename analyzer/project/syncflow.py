@@ -53,6 +53,10 @@ class Flow(Loops):
         self.project = program.project
         self.root = root
         self.atoms = Atoms()
+        # accelerate's boundary test gets its atom first: a loop with many tests of its own may
+        # fill the table before its prepared optimizer steps
+        if ".accumulate(" in (root.module if isinstance(root, Function) else root).text:
+            self.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
         self.conds = Conditions(self)
         self.records = Records(self)
         self.atom_info: dict = {}        # atom index -> (versions, volatile)

@@ -104,6 +104,10 @@ class CallValues:
                 if vocab.is_optimizer_class(base) and base.startswith("torch.optim"):
                     self.sites[site] = (call.args[0] if call.args else None, scope)
                     return frozenset((Optim(site),))
+                if base in vocab.ACCELERATOR:     # ``class MyAccelerator(accelerate.Accelerator)``
+                    return frozenset((Framework("accelerate", site, _accumulates(call)),))
+                if base in vocab.FABRIC:
+                    return frozenset((Framework("fabric", site, "no", _single_device(call)),))
             return frozenset((Inst(callee.cls),))
         if isinstance(callee, Inst):
             method = self.project.attribute(callee.cls, "__call__")

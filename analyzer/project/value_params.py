@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Function, qualified_name
+from synccheck.analyzer.project.definitions import Class, Function, qualified_name
 from synccheck.analyzer.project.value_helpers import _argument, _calls_named, _deco, call_lines, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
-                                                    Inst, Obj, Wrapper, site_of)
+                                                    Framework, Inst, Obj, Wrapper, site_of)
 
 
 class ParameterValues:
@@ -75,9 +75,19 @@ class ParameterValues:
         for arg in fn.node.args.posonlyargs + fn.node.args.args + fn.node.args.kwonlyargs:
             if arg.arg == name and arg.annotation is not None:
                 sym = self.project.resolve_expr(fn.module, arg.annotation)
-                kind = vocab.wrapper_kind(qualified_name(sym)) if sym is not None else ""
-                if kind:
-                    return frozenset((Wrapper(kind, site_of(fn.module, arg)),))
+                if sym is None:
+                    return EMPTY
+                names = [qualified_name(sym)]
+                if isinstance(sym, Class):
+                    names += self.project.external_bases(sym)
+                for name in names:
+                    kind = vocab.wrapper_kind(name)
+                    if kind:
+                        return frozenset((Wrapper(kind, site_of(fn.module, arg)),))
+                    # ``accelerator: Accelerator`` (or a project subclass of it): how it was made is
+                    # the caller's, so whether it accumulates is unknown
+                    if name in vocab.ACCELERATOR:
+                        return frozenset((Framework("accelerate", site_of(fn.module, arg), "unknown"),))
         return EMPTY
 
     def calls(self, name: str, load: bool = False) -> list:
