@@ -750,3 +750,54 @@ def test_wrapper_imported_inside_the_function_that_wraps(tmp_path):
         """,
     }
     check_project(tmp_path, files)
+
+
+# a method of an object from a registry (fairseq's ``self.task.train_step``): which class stands for it
+REGISTRY_TRAINER = """
+    class Trainer:
+        def __init__(self, task, model, optimizer):
+            self.task = task
+            self.model = DistributedDataParallel(model)
+            self.optimizer = optimizer
+
+        def train_step(self, samples):
+            for sample in samples:
+                self.task.train_step(sample, self.model, self.optimizer)  # SC101
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+"""
+BASE_TASK = """
+    class BaseTask:
+        def train_step(self, sample, model, optimizer):
+            loss = model(sample).mean()
+            optimizer.backward(loss)
+"""
+
+
+def test_registry_method_stands_for_its_base_class(tmp_path):
+    files = {"pkg/__init__.py": "", "pkg/tasks/__init__.py": "",
+             "pkg/trainer.py": "from torch.nn.parallel import DistributedDataParallel\n" + textwrap.dedent(REGISTRY_TRAINER),
+             "pkg/tasks/base.py": BASE_TASK,
+             "pkg/tasks/lm.py": """
+                 from pkg.tasks.base import BaseTask
+
+                 class LanguageModelingTask(BaseTask):
+                     def train_step(self, sample, model, optimizer):
+                         return super().train_step(sample, model, optimizer)
+             """}
+    # the trainer alone: the task's class is found on disk, in the trainer's package
+    assert check_project(tmp_path, files, paths=[tmp_path / "pkg" / "trainer.py"]) == expected(tmp_path, {"pkg/trainer.py": 0})
+
+
+def test_registry_method_defined_by_unrelated_classes_is_not_guessed(tmp_path):
+    files = {"pkg/__init__.py": "",
+             "pkg/trainer.py": "from torch.nn.parallel import DistributedDataParallel\n" +
+                               textwrap.dedent(REGISTRY_TRAINER).replace("  # SC101", ""),
+             "pkg/base.py": BASE_TASK,
+             # another family with a method of the same name and the same arguments: no contract to go by
+             "pkg/other.py": """
+                 class Evaluator:
+                     def train_step(self, sample, model, optimizer):
+                         return None
+             """}
+    assert check_project(tmp_path, files) == set()

@@ -42,6 +42,11 @@ class Function:
             _decorator_name(d) == "staticmethod" for d in self.node.decorator_list)
 
     @property
+    def is_property(self) -> bool:
+        return self.cls is not None and any(_decorator_name(d) in ("property", "cached_property")
+                                            for d in self.node.decorator_list)
+
+    @property
     def abstract(self) -> bool:
         """A hook for subclasses to fill: its body (past a docstring) only raises NotImplementedError
         (``def compute_forward(self, batch): raise NotImplementedError``). What a call runs is the

@@ -49,6 +49,13 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     if inner and all(isinstance(v, Inner) for v in callee):
         return inner_forward(flow, node, inner, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
+    if not targets and recv is not None and _opaque_object(recv.values) and any(
+            flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
+        # ``self.task.train_step(sample, self.model, ...)`` on an object from a registry: the
+        # project's one family of classes that defines the method says what it does
+        duck = flow.program.duck_method(func.attr, fr.scope, node)
+        if duck is not None:
+            targets = [duck]
     results = []
     if len(targets) > 1:
         # the callee may be any of these (a method of the class or of a subclass): each is a path

@@ -91,6 +91,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         if any(isinstance(v, (Optim, Framework)) for v in vals) and args:
             backward(flow, node, args[0], "optimizer.backward", st, fr)
             return NONE_VAL
+        if args and args[0].prov and not recv.prov and not any(isinstance(v, Wrapper) for v in vals):
+            # ``optimizer.backward(loss)`` on a wrapper we cannot see (fairseq's FairseqOptimizer,
+            # an apex/fp16 optimizer): the model's output is the argument, not the receiver
+            backward(flow, node, args[0], "optimizer.backward", st, fr)
+            return NONE_VAL
         how = "scaler.scale(loss).backward" if _scale_call(node.func.value) else "loss.backward"
         backward(flow, node, recv, how, st, fr)
         return NONE_VAL

@@ -14,6 +14,7 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
+from synccheck.analyzer.project.duck import duck_method
 from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
 from synccheck.analyzer.project.traversal import block_nodes_no_defs, children, walk, walk_no_defs
 from synccheck.analyzer.project.values import (CALL_WORD, Bound, Cls, Framework, Func, Inner, Inst, LocalSGD, Obj, Values,
@@ -50,6 +51,7 @@ class Program:
         self._eventful_seen = 0
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view
         self.then_call: dict = {}        # root uid -> the sibling method that steps after it
+        self._ducks: dict = {}           # method name -> duck_method's answer
 
     def close(self) -> None:
         """Let go of everything (see Project.close): flows point back at this program."""
@@ -230,6 +232,11 @@ class Program:
                 sym = self.project.resolve_expr(module, base)
                 if sym is not None and not isinstance(sym, GlobalRef):
                     return _callables(self.project, self.project.attribute(sym, func.attr))
+            if any(_names_model(a) for a in list(call.args) + [k.value for k in call.keywords]):
+                # ``self.task.train_step(sample, self.model, ...)``: an object we cannot trace, handed
+                # the model (see duck.py)
+                duck = self.duck_method(func.attr, scope, call)
+                return [duck.fn] if duck is not None else []
             return []
         return []
 
@@ -296,6 +303,17 @@ class Program:
         return "backward" in self.words(loop.body, fr.scope)
 
     # -- models --------------------------------------------------------------------------------------
+    def duck_method(self, name: str, caller=None, call=None):
+        """``obj.name(...)`` on an object we cannot trace: see duck.py. Bound to an instance of the
+        defining class, or None."""
+        caller_cls = caller.cls if isinstance(caller, Function) else None
+        key = (name, caller_cls.uid if caller_cls is not None else None,
+               (len(call.args), tuple(k.arg or "" for k in call.keywords)) if call is not None else None)
+        if key not in self._ducks:
+            found = duck_method(self.project, name, caller_cls, call)
+            self._ducks[key] = Bound(found[0], Inst(found[1])) if found is not None else None
+        return self._ducks[key]
+
     def wrappers(self, vals) -> frozenset:
         """The data-parallel models among these values (DDP inferred from ``x.no_sync()`` use too)."""
         out = set()
@@ -432,6 +450,11 @@ def _wrappers_in(v) -> list:
     if isinstance(v, Tup):
         return [w for item in v.items for x in item for w in _wrappers_in(x)]
     return []
+
+
+def _names_model(node) -> bool:
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return "model" in name.lower()
 
 
 def _receiver_is_scheduler(node) -> bool:

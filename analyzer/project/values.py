@@ -382,7 +382,11 @@ class Values(ContainerValues, ParameterValues, CallValues):
         out = set()
         for klass in self.project.mro(inst.cls):
             if attr in klass.methods:
-                return frozenset((Bound(klass.methods[attr], inst),))
+                method = klass.methods[attr]
+                if method.is_property:
+                    # ``self.model`` read through ``@property def model(self)``: what it returns
+                    return self.returns(method) or ONE_UNKNOWN
+                return frozenset((Bound(method, inst),))
             for scope, value, path in _class_attrs(self, klass).get(attr, ()):
                 if path == ITEM:
                     out.add(Bag(_cap(self.expr(value, scope)), True))
