@@ -17,7 +17,6 @@ PATTERNS = Path(__file__).parent / "fixtures" / "patterns"
 KNOWN_GAPS = {
     "28_forward_through_unwrapped_module_after_prepare": "a generator's variable is not bound per element "
                                                          "(only direct.py's `net = model.module` is found)",
-    "33_zero_grad_under_loop_invariant_config_guard": "a loop-invariant guard is not split into its two cases",
 }
 
 

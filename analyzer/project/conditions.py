@@ -176,7 +176,18 @@ class Conditions:
                 key = ("MOD", counted, residue)
                 atom = self.atoms.get(key, text, (counted[0], counted[1], residue))
             else:
-                atom = self.atoms.get((dump, versions), text)
+                stable = self._stable(names, st) if fr.depth and not changes else None
+                if stable is not None:
+                    # ``if self.accum_count == 1:`` in a method the loop calls: the attributes of the
+                    # caller's own objects, by what the receiver is a copy of, hold between calls
+                    versions = tuple(origin[2] for origin, _ in stable)
+                    atom = self.atoms.get(("STABLE", dump, stable), text)
+                    if atom is not None and all(v == 0 for v in versions) and not self._written(stable, fr):
+                        # (still tested afresh each turn, unless it turns out to guard a zero_grad:
+                        # Flow.if_ makes such a switch hold all run)
+                        self.flow.stable_atoms.add(atom.index)
+                else:
+                    atom = self.atoms.get((dump, versions), text)
             if atom is None:
                 return BOTH
             if not polarity and atom.negated is None:
@@ -186,6 +197,34 @@ class Conditions:
             self.flow.note_atom(atom, versions, changes or fr.depth > 0)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
+
+    @staticmethod
+    def _stable(names, st):
+        """((origin of the receiver, attribute path), ...) when every name the test reads is an
+        attribute chain (``self.accum_count``) not written on these paths, on an object we know by
+        what it is a copy of; None otherwise."""
+        out = []
+        for name in names:
+            root, dot, rest = name.partition(".")
+            if not dot or name in st.env:
+                return None
+            known = st.env.get(root)
+            origin = None if known is None else known.origin     # (a comprehension's name is not here)
+            if origin is None or origin[0] != "name":
+                return None
+            out.append((origin, rest))
+        return tuple(out) or None
+
+    def _written(self, stable, fr) -> bool:
+        """Is one of these attributes written in the loop's function or in this one?"""
+        texts = [fr.module.segment(fr.scope.node) if hasattr(fr.scope, "node") else fr.module.text]
+        root = self.flow.root
+        texts.append(root.module.segment(root.node) if hasattr(root, "node") else root.text)
+        for _, rest in stable:
+            store = re.compile(r"\." + re.escape(rest) + r"\s*(?:[-+*/%|&]|//)?=(?!=)")
+            if any(text and store.search(text) for text in texts):
+                return True
+        return False
 
     def _canonical(self, node, st):
         origin = origin_of(node, st)

@@ -224,7 +224,8 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     params = list(fn.params)
     positional = list(args)
     if receiver is not None and fn.is_method and params:
-        env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))
+        env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))._replace(
+            origin=origin_of(node.func.value, st) if isinstance(node.func, ast.Attribute) else None)
         params = params[1:]
     kwonly = {a.arg for a in fn.node.args.kwonlyargs}
     kw_nodes = {kw.arg: kw.value for kw in node.keywords if kw.arg is not None}

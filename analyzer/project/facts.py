@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 # the gradient-cache idiom: in gradient_cache.py (window_cache stays importable from here)
 from synccheck.analyzer.project.gradient_cache import window_cache
-from synccheck.analyzer.project.guards import MAX_ATOMS, assignments, depends_on
+from synccheck.analyzer.project.guards import MAX_ATOMS, assignments, depends_on, exists
 from synccheck.analyzer.project.state import PLAIN
 
 
@@ -46,6 +46,7 @@ class Records:
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
         self.loops_at: dict = {}         # zero_grad / step site -> ids of the loops it ran in (callers' included)
         self.window_loops: dict = {}     # loop id -> whether it is a gradient-cache loop (see window_cache)
+        self.switches: set = set()       # stable atoms of the tests that guard a zero_grad (Flow.if_)
         self.helper_flags: set = set()   # with-item sites of helper contexts that write the DDP flag
         self.bypassed: set = set()       # forward sites that call the module inside a DDP wrapper
 
@@ -53,7 +54,17 @@ class Records:
         self.nodes.setdefault(site, (module, node))
 
     def resolve(self, token, kind: str, site, guard: int) -> None:
-        g = token.frozen if token.frozen is not None else guard
+        g = guard
+        if token.frozen is not None:
+            # a micro-step of an earlier turn: its own condition, and the switches that hold all run
+            # and decide whether a zero_grad runs (``if self.accum_count == 1:``) as the resolver found them
+            g = token.frozen
+            if self.switches:
+                now = guard
+                for k in range(len(self.flow.atoms.atoms)):
+                    if k not in self.switches:
+                        now = exists(now, k)
+                g &= now
         key = (token._replace(frozen=None), kind, site, token.frozen is not None)
         self.resolutions[key] = self.resolutions.get(key, 0) | g
 
@@ -143,10 +154,11 @@ class Population:
     def managed(self) -> bool:
         return any(t.synced == "managed" for t, *_ in self.records)
 
-    def groups(self, kinds=None) -> dict:
-        """gate assignment -> {(token, kind, resolver)} of the records (of these kinds) holding on it."""
+    def groups(self, kinds=None, split=()) -> dict:
+        """gate assignment -> {(token, kind, resolver)} of the records (of these kinds) holding on it.
+        ``split``: more atoms to tell groups apart by (configuration switches, which hold all run)."""
         gate_bits = 0
-        for k in self.gate:
+        for k in list(self.gate) + list(split):
             gate_bits |= 1 << k
         out: dict = {}
         universe = self.flow.atoms.universe & self.width_mask
@@ -243,7 +255,9 @@ def wiped(flow) -> list:
             continue
         if not any(kind == "wiped" and (across or t.synced == "managed") for t, kind, _, across, _ in pop.records):
             continue
-        for group, outcomes in pop.groups(NON_BOUNDARY).items():
+        # a switch that holds all run (``if self.accum_count == 1: optim.zero_grad()``) wipes every
+        # micro-step of the runs where it is on
+        for group, outcomes in pop.groups(NON_BOUNDARY, split=sorted(flow.records.switches)).items():
             if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
                 for token, kind, resolver in sorted(outcomes, key=repr):
                     out.append((resolver, token, pop, group))

@@ -199,8 +199,14 @@ def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> Non
     if any(isinstance(v, Optim) and v.managed for v in vals) or \
             any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
         return
-    site = site_of(fr.module, node)
-    flow.records.node(site, fr.module, node)
+    if fr.module.linted:
+        site = site_of(fr.module, node)
+        flow.records.node(site, fr.module, node)
+    else:
+        # inside a wrapper class of a file not linted (a project ``Optimizer.zero_grad``): the call
+        # the loop's file makes is where it is reported
+        site = flow.report_site(fr.module, node)
+        flow.records.node(site, fr.module, node)
     flow.records.loops_at.setdefault(site, set()).update(flow.loop_stack)
     optims = frozenset(v for v in vals if isinstance(v, Optim))
     direct = flow.program.models_of(frozenset(v for v in vals if isinstance(v, (Wrapper, Obj, Inner))))

@@ -27,7 +27,7 @@ from typing import Optional
 from synccheck.analyzer.project import events
 from synccheck.analyzer.project.conditions import Conditions, distributed_switch
 from synccheck.analyzer.project.facts import Records
-from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms
+from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms, depends_on
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal, Prop
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
@@ -61,6 +61,7 @@ class Flow(Loops):
         self.records = Records(self)
         self.atom_info: dict = {}        # atom index -> (versions, volatile)
         self.atom_loops: dict = {}       # atom index -> ids of the loops it was tested in
+        self.stable_atoms: set = set()   # atoms that hold the same value all through the analysis
         self.loop_infos: dict = {}
         self.last_atoms: dict = {}
         self._first_masks: dict = {}
@@ -186,6 +187,15 @@ class Flow(Loops):
                 true, false = TRUE, 0
             elif self.program.steps_in(s.orelse, fr) and not self.program.steps_in(s.body, fr):
                 true, false = 0, TRUE
+        if self.stable_atoms and true and false:
+            # ``if self.accum_count == 1: optim.zero_grad()``: a switch that decides whether a
+            # zero_grad runs at all (SC201 looks at the runs where it is on)
+            text = fr.module.segment(s) or ""
+            if "zero_grad" in text:
+                for k in self.stable_atoms:
+                    if depends_on(true, k) and k not in self.records.switches:
+                        self.records.switches.add(k)
+                        self.atom_info[k] = (self.atom_info.get(k, ((), True))[0], False)
         if not s.orelse and true and false and distributed_switch(s.test) and _SYNC_TEXT.search(
                 fr.module.segment(s) or ""):
             true, false = TRUE, 0       # the run with no data-parallel model has nothing to check
