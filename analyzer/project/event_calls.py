@@ -58,6 +58,10 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             targets = [duck]
     results = []
     if len(targets) > 1:
+        # a base class's hook (``raise NotImplementedError``) never runs where a subclass fills it
+        filled = [v for v in targets if not (isinstance(v, (Func, Bound)) and v.fn.abstract)]
+        targets = filled or targets
+    if len(targets) > 1:
         # the callee may be any of these (a method of the class or of a subclass): each is a path
         outs = []
         for v in sorted(targets, key=repr):

@@ -157,6 +157,8 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
     models = _owned(flow, frozenset(v for v in optims if isinstance(v, (Optim, Wrapper))))
     # an optimizer accelerate prepared steps, inside ``accelerator.accumulate``, only when
     # ``accelerator.sync_gradients`` holds: off the boundary the step is a no-op
+    if unknown and not any(t.synced == "managed" for prop in st.props for t in prop.tokens):
+        unknown = False         # no micro-step inside ``accumulate`` here: a plain step
     managed = (bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)) or unknown
     gate = _sync_gradients_atom(flow) if managed else None
     # stepping each of several optimizers in a loop is one step, in the loops around that loop

@@ -215,6 +215,14 @@ class Program:
             if isinstance(base, ast.Name) and isinstance(scope, Function) and scope.cls is not None and \
                     scope.params and base.id == scope.params[0]:
                 found = self.project.attribute(scope.cls, func.attr)
+                if isinstance(found, Function) and found.abstract:
+                    # a hook the subclasses fill: what runs is their overrides
+                    out = []
+                    for sub in self.project.subclasses(scope.cls):
+                        override = self.project.attribute(sub, func.attr)
+                        if isinstance(override, Function) and not override.abstract and override not in out:
+                            out.append(override)
+                    return out or [found]
                 if isinstance(found, Function):
                     return [found]
                 return None                      # self.model(...): an attribute, maybe a wrapper

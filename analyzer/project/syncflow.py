@@ -96,7 +96,7 @@ class Flow(Loops):
         st = St({Prop(): TRUE}, {})
         if isinstance(scope, Function):
             for name in scope.params:
-                st.env[name] = EnvVal(((TRUE, self.values.name(name, scope)),))
+                st.env[name] = EnvVal(((TRUE, self.values.parameter(scope, name)),))
         try:
             self.block(body, st, fr)
         except RecursionError:

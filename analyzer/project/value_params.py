@@ -8,6 +8,7 @@ does this.
 """
 from __future__ import annotations
 
+import ast
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -15,6 +16,14 @@ from synccheck.analyzer.project.definitions import Class, Function, qualified_na
 from synccheck.analyzer.project.value_helpers import _argument, _calls_named, _deco, call_lines, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
                                                     Framework, Inst, Obj, Wrapper, site_of)
+
+
+def _through_local(call, scope) -> bool:
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and isinstance(scope, Function)):
+        return False
+    name = func.value.id
+    return name in scope.params or name in (scope.locals or ())
 
 
 class ParameterValues:
@@ -129,6 +138,11 @@ class ParameterValues:
         if fn.cls is not None and fn.node.name == "__call__":
             candidates = []        # called through an instance under any name: no parameter values from calls
         out = []
+        if fn.cls is None:
+            # a plain function is called as ``x.train(...)`` only through a module: not through a
+            # parameter or a local (``model.train()`` inside ``def train(model)``), whose value may be
+            # what is being worked out here
+            candidates = [(scope, call) for scope, call in candidates if not _through_local(call, scope)]
         if len(candidates) <= MAX_CALLERS:
             for scope, call in candidates:
                 for v in self.expr(call.func, scope):
