@@ -15,7 +15,7 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.guards import FALSE, TRUE, last_form, mod_form, mod_parts
+from synccheck.analyzer.project.guards import FALSE, MASKS, TRUE, last_form, mod_form, mod_parts
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.traversal import children, walk
@@ -194,9 +194,31 @@ class Conditions:
                 atom.negated = _text(fr, written)       # `i % n != 0`, as the code says it
             if atom.counter is None and mod is not None:
                 atom.counter = self.flow.counter_loop(mod[0], fr)
+            if atom.first is None and mod is None and isinstance(node, ast.Compare):
+                self._first(atom, node, fr)
             self.flow.note_atom(atom, versions, changes or fr.depth > 0)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
+
+    def _first(self, atom, node, fr) -> None:
+        """``micro_step == 0`` on a counted loop's counter: true on its first iteration only, so
+        never together with its last (a loop of micro-steps runs more than once, as the mod forms
+        assume)."""
+        if len(node.ops) != 1 or not isinstance(node.ops[0], ast.Eq):
+            return
+        left, right = node.left, node.comparators[0]
+        if isinstance(left, ast.Constant):
+            left, right = right, left
+        if not (isinstance(left, ast.Name) and isinstance(right, ast.Constant) and type(right.value) is int):
+            return
+        found = self.flow.counter_loop(ast.dump(left), fr)
+        if found is None:
+            return
+        loop, start = found
+        atom.first = (loop, right.value == start)
+        last = self.flow.last_atoms.get(loop)
+        if atom.first[1] and last is not None:
+            self.atoms.universe &= ~(MASKS[atom.index] & MASKS[last.index]) & TRUE
 
     @staticmethod
     def _stable(names, st):

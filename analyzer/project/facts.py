@@ -133,7 +133,8 @@ class Population:
             if kind == "stepped":
                 stepped |= guard
         self.stepped = stepped & self.width_mask
-        self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index)]
+        # (``it == 0`` picks one micro-step, the very first: no schedule of steps is made of it)
+        self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index) and a.first is None]
         # a step gated by a counter (``(i + 1) % n == 0``, the last micro-step, ``micro == accum``)
         # means to accumulate; one gated by any other test (``if should_update(...)``) skips steps
         self.periodic = any(_periodic(flow.atoms.atoms[k], loop) for k in self.gate) or any(

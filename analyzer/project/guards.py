@@ -63,7 +63,7 @@ def assignments(formula: int):
 
 
 class Atom:
-    __slots__ = ("index", "key", "text", "mod", "loop", "counter", "negated")
+    __slots__ = ("index", "key", "text", "mod", "loop", "counter", "negated", "first")
 
     def __init__(self, index: int, key, text: str, mod=None) -> None:
         self.index = index
@@ -73,6 +73,7 @@ class Atom:
         self.loop = None          # the loop whose last iteration this is (LAST atoms)
         self.counter = None       # the loop whose counter a mod form reads (first-iteration values)
         self.negated = None       # the text of the code's own negation (``i % n != 0``), if it wrote one
+        self.first = None         # (loop, holds on its first iteration) for ``i == 0`` on the loop's counter
 
     def says(self, value: bool) -> str:
         """A true statement about this atom's value, in the code's own words where it has them."""

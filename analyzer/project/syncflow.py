@@ -237,6 +237,8 @@ class Flow(Loops):
                 elif atom.counter is not None and atom.counter[0] in first and atom.mod is not None:
                     holds = atom.mod[2] == atom.counter[1]
                     mask &= MASKS[atom.index] if holds else ~MASKS[atom.index]
+                elif atom.first is not None and atom.first[0] in first:
+                    mask &= MASKS[atom.index] if atom.first[1] else ~MASKS[atom.index]
             mask &= TRUE
             self._first_masks[key] = mask
         return mask
