@@ -173,6 +173,12 @@ class Conditions:
                 # several names (a parameter, ``accum = self.accum``, a dict's entry) is one atom
                 base, modulus, residue = mod[3]
                 counted = (self._canonical(base, st), self._canonical(modulus, st))
+                if counted[0][0] == "shift":
+                    # ``step += 1`` since: ``step % n == r`` is ``(step_before + 1) % n == r``
+                    residue -= counted[0][2]
+                    counted = (counted[0][1], counted[1])
+                if isinstance(modulus, ast.Constant) and type(modulus.value) is int and modulus.value > 0:
+                    residue %= modulus.value        # ``% 4 == 3`` and ``(i + 1) % 4 == 0`` are one test
                 key = ("MOD", counted, residue)
                 atom = self.atoms.get(key, text, (counted[0], counted[1], residue))
             else:
@@ -196,7 +202,7 @@ class Conditions:
                 atom.counter = self.flow.counter_loop(mod[0], fr)
             if atom.first is None and mod is None and isinstance(node, ast.Compare):
                 self._first(atom, node, fr)
-            self.flow.note_atom(atom, versions, changes or fr.depth > 0)
+            self.flow.note_atom(atom, versions, changes or fr.depth > 0, names)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
 
@@ -250,7 +256,7 @@ class Conditions:
 
     def _canonical(self, node, st):
         origin = origin_of(node, st)
-        if origin is not None and origin[0] == "name":
+        if origin is not None and origin[0] in ("name", "shift"):
             return origin
         return ("expr", ast.dump(node), tuple(self.flow.version(n, st) for n in free_names(node)))
 

@@ -18,6 +18,10 @@ from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Co
                                                Optim, Scaler, Unknown, Wrapper, site_of)
 
 
+_RUNS_FIRST_ARG = frozenset(("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
+                             "deepspeed.checkpointing.checkpoint", "torch.func.functional_call"))
+
+
 def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
     last = vocab.tail(qual)
     module = fr.module
@@ -40,6 +44,11 @@ def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
         return _val(frozenset((FlowCtx("nograd", frozenset(), site),)))
     if qual in ("torch.compile", "torch.nn.SyncBatchNorm.convert_sync_batchnorm") and args:
         return args[0]
+    if qual in _RUNS_FIRST_ARG and args:
+        # ``checkpoint(model, x)``: activation checkpointing calls the model it is given
+        models = flow.program.wrappers(args[0].values)
+        if models:
+            return forward(flow, node, models, args[1:], kws, st, fr)
     if last in vocab.GRAD_SYNC:
         collective(flow, node, last, st, fr)
         return None

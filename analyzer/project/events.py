@@ -233,7 +233,7 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
             st.env[dotted] = _versioned(value, version)
 
 
-_COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict)
+_COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict, ast.BinOp)
 
 
 def _cond_of(flow, value: EnvVal, node, st, fr) -> tuple:

@@ -209,7 +209,7 @@ class Loops:
         ids, rebound = info.ids, self._rebound(info)
         for name, value in st.env.items():
             if isinstance(value.version, int) and value.version in ids or name in rebound:
-                value = value._replace(version=("phi", info.id), cond=None,
+                value = value._replace(version=("phi", info.id), cond=None, origin=None,
                                        alts=tuple((TRUE, v) for _, v in value.alts))
             env[name] = value
         return St(props, env)
@@ -237,6 +237,9 @@ class Loops:
             # inner loop (``for opt in optimizers:``) holds all through that loop
             loops = self.atom_loops.get(atom.index)
             return loops is None or info.id in loops
+        names = self.atom_names.get(atom.index)
+        if names and not self._rebound(info).isdisjoint(names):
+            return True             # (a count the loop moves on, first read before the loop rebinds it)
         for v in versions:
             if v == ("phi", info.id) or (isinstance(v, int) and v in info.ids):
                 return True
@@ -244,9 +247,11 @@ class Loops:
                 return True
         return False
 
-    def note_atom(self, atom, versions, volatile: bool) -> None:
+    def note_atom(self, atom, versions, volatile: bool, names=()) -> None:
         if atom.index not in self.atom_info:
             self.atom_info[atom.index] = (versions, volatile)
+            if names:
+                self.atom_names[atom.index] = names
         self.atom_loops.setdefault(atom.index, set()).update(self.loop_stack)
 
     def counter_loop(self, counter_dump: str, fr: Frame):

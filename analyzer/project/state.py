@@ -115,7 +115,8 @@ def origin_of(node, st):
     names is one condition: ``accum = self.accum`` and ``self.accum``, a loop's ``batch_idx`` and
     the callee's ``batch_idx = loss_dict["batch_idx"]`` read from ``{"batch_idx": batch_idx}``, a
     parameter and the argument passed in. ("name", text, version) for a name or attribute chain,
-    ("dict", ((key, origin), ...)) for a dict literal, None when it is none of these."""
+    ("dict", ((key, origin), ...)) for a dict literal, ("shift", origin, n) for a count moved on by n
+    (``step += 1``), None when it is none of these."""
     t = type(node)
     if t is ast.Name or t is ast.Attribute:
         text = node.id if t is ast.Name else _dotted(node)
@@ -130,6 +131,14 @@ def origin_of(node, st):
         if within is not None and within[0] == "dict":
             return next((o for k, o in within[1] if k == node.slice.value), None)
         return None
+    if t is ast.BinOp and isinstance(node.op, (ast.Add, ast.Sub)) and isinstance(node.right, ast.Constant) and \
+            type(node.right.value) is int:
+        # ``step + 1`` (``step += 1``): the count it was, moved on
+        base = origin_of(node.left, st)
+        delta = node.right.value if isinstance(node.op, ast.Add) else -node.right.value
+        if base is None or base[0] not in ("name", "shift"):
+            return None
+        return ("shift", base[1], base[2] + delta) if base[0] == "shift" else ("shift", base, delta)
     if t is ast.Dict and len(node.keys) <= 64:
         fields = []
         for k, v in zip(node.keys, node.values):

@@ -29,7 +29,7 @@ from synccheck.analyzer.project.conditions import Conditions, distributed_switch
 from synccheck.analyzer.project.facts import Records
 from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms, depends_on
 from synccheck.analyzer.project.definitions import Function
-from synccheck.analyzer.project.state import EnvVal, Prop
+from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
@@ -61,6 +61,7 @@ class Flow(Loops):
         self.records = Records(self)
         self.atom_info: dict = {}        # atom index -> (versions, volatile)
         self.atom_loops: dict = {}       # atom index -> ids of the loops it was tested in
+        self.atom_names: dict = {}       # atom index -> the names its test reads
         self.stable_atoms: set = set()   # atoms that hold the same value all through the analysis
         self.loop_infos: dict = {}
         self.last_atoms: dict = {}
@@ -141,7 +142,11 @@ class Flow(Loops):
             else:
                 scaled = True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled,
                                                                                                       value.scaled)
-            events.assign(self, s.target, EnvVal(((TRUE, ONE_UNKNOWN),), old.prov | value.prov, scaled), s, st, fr)
+            moved = None
+            if isinstance(s.target, (ast.Name, ast.Attribute)):
+                moved = origin_of(ast.BinOp(s.target, s.op, s.value), st)    # ``step += 1``
+            events.assign(self, s.target, EnvVal(((TRUE, ONE_UNKNOWN),), old.prov | value.prov, scaled, None, 0, moved),
+                          s, st, fr)
             return st
         if t is ast.If:
             return self.if_(s, st, fr)
