@@ -136,6 +136,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         models = program.wrappers(vals)
         if frameworks:
             return None
+        if not models and any(isinstance(v, (Obj, Inst)) and program.wrapping().get(v) for v in vals):
+            # ``net.no_sync()`` on the module a DDP wrapper was built from: SC104 says what is wrong
+            # with it; the micro-steps under it get no verdict of their own (neither "off" nor "on")
+            built = frozenset(w for v in vals if isinstance(v, (Obj, Inst)) for w in program.wrapping().get(v, ()))
+            return _val(frozenset((FlowCtx("unknown", built, site, _text(fr, node)),)))
         return _val(frozenset((FlowCtx("off", models, site, _text(fr, node)),)))
     if attr in ("no_sync", "accumulate") and "accelerate" in frameworks:
         models = program.wrappers(args[0].values) if args else frozenset()

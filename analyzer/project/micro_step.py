@@ -85,6 +85,16 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
     managed = flow.program.managed_models()
 
     loops = tuple(flow.loop_stack)
+    # the models each optimizer in reach steps: one loss through an encoder and a decoder that one
+    # optimizer steps together is one micro-step, not a GAN's generator loss through D
+    together = []
+    if len(models) > 1:
+        for value in st.env.values():
+            for v in value.values:
+                if isinstance(v, Optim):
+                    owned = _owned(flow, frozenset((v,)))
+                    if owned:
+                        together.append(owned)
 
     def transfer(prop, guard):
         pending = frozenset(f.model for f in prop.forwards)
@@ -97,7 +107,7 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
         forwards = list(prop.forwards)
         # several models from one forward are alternatives (a helper called with a different DDP
         # model by each script), not one loss through several models (a GAN's generator loss)
-        shared = len({f.site for f in forwards if f.model in mine}) > 1
+        shared = len({f.site for f in forwards if f.model in mine}) > 1 and not any(mine <= o for o in together)
         for model in sorted(mine, key=repr):
             old = next((t for t in tokens if t.model == model), None)
             if old is not None:

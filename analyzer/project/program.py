@@ -329,6 +329,9 @@ class Program:
         for v in vals:
             if isinstance(v, Wrapper):
                 out.add(v)
+            elif isinstance(v, Inst):
+                # ``model = Net(); fully_shard(model)``: in place, on an instance of a project class
+                out.update(w for w in self.wrapping().get(v, ()) if w.kind == "fsdp2")
             elif isinstance(v, Obj):
                 if inferred is None:
                     inferred = self.inferred()
@@ -405,7 +408,8 @@ class Program:
                     for v in self.values.expr(call, scope):
                         for w in _wrappers_in(v):
                             for inner in self.values.wrapped_by(w):
-                                if isinstance(inner, Obj):
+                                # (an instance of a project class is known by its class: ``Net()``)
+                                if isinstance(inner, (Obj, Inst)):
                                     self._wrapping.setdefault(inner, set()).add(w)
         return self._wrapping
 

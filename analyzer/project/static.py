@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 
-from synccheck.analyzer.project.values import Ext, Framework, Inner, Loader, Obj, Sampler, Unknown, Wrapper
+from synccheck.analyzer.project.values import Ext, Framework, Inner, Inst, Loader, Obj, Sampler, Unknown, Wrapper
 from synccheck.analyzer.project.traversal import block_nodes, walk
 
 class Unwrapped(NamedTuple):
@@ -53,7 +53,7 @@ def no_sync_on_unwrapped(program) -> list:
         # something we cannot see may be the wrapper, unless what we do see is a module known to
         # have been wrapped elsewhere (``training_models[0]`` holding the module before prepare())
         if any(isinstance(v, Unknown) for v in target) and \
-                not any(isinstance(v, Obj) and wrapping.get(v) for v in target):
+                not any(isinstance(v, (Obj, Inst)) and wrapping.get(v) for v in target):
             continue
         if call.args and _forwards_through(scope, call, target_node):
             # the whole step uses the unprepared object (a sloppy example, not a half-wrapped loop)
@@ -63,7 +63,7 @@ def no_sync_on_unwrapped(program) -> list:
         if inner:
             out.append(Unwrapped(module, call, how, _binding(program, inner[0].wrapper), "module"))
             continue
-        wrapped = [w for v in target if isinstance(v, Obj) for w in wrapping.get(v, ())]
+        wrapped = [w for v in target if isinstance(v, (Obj, Inst)) for w in wrapping.get(v, ())]
         if wrapped:
             out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
     return out

@@ -147,6 +147,11 @@ class CallValues:
         if last == "ExitStack":
             return frozenset((Ctx("exitstack", site),))
         if qual in ("functools.partial", "partial"):
+            made = self.expr(call.args[0], scope) if call.args else EMPTY
+            wrappers = frozenset(v for v in made if isinstance(v, Ext) and vocab.wrapper_kind(v.qualname))
+            if wrappers:
+                # ``wrap = partial(DistributedDataParallel, device_ids=[rank])``: calling it wraps
+                return wrappers
             self.sites[site] = (call, scope)
             return frozenset((Partial(site),))
         if qual in ("torch.compile", "torch.jit.script", "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
