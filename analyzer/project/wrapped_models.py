@@ -1,0 +1,154 @@
+"""The wrapped models of a program (a part of Program): which values are data-parallel wrappers.
+
+Beyond the wrappers the values make (``DDP(model)``, ``accelerator.prepare(model)``), an object's use
+can say it is one (``x.no_sync()`` is DDP's, ``x.set_requires_gradient_sync(...)`` FSDP2's, the model
+``accelerator.accumulate(...)`` names on a parameter is a prepared one); ``fully_shard(model)`` makes
+the module itself the FSDP2 module; and an optimizer's models are the wrappers of what it owns.
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
+from synccheck.analyzer.project.values import Framework, Inner, Inst, LocalSGD, Obj, Wrapper
+
+_UNCALLED_NO_SYNC = re.compile(r"\.no_sync\b(?!\s*\()")
+
+
+class WrappedModels:
+    """What Program knows of the data-parallel models (a part of Program)."""
+
+    def wrappers(self, vals) -> frozenset:
+        """The data-parallel models among these values (DDP inferred from ``x.no_sync()`` use too)."""
+        out = set()
+        inferred = None
+        for v in vals:
+            if isinstance(v, Wrapper):
+                out.add(v)
+            elif isinstance(v, Inst):
+                # ``model = Net(); fully_shard(model)``: in place, on an instance of a project class
+                out.update(w for w in self.wrapping().get(v, ()) if w.kind == "fsdp2")
+            elif isinstance(v, Obj):
+                if inferred is None:
+                    inferred = self.inferred()
+                kind = inferred.get(v.site)
+                if kind:
+                    out.add(Wrapper(kind, v.site))
+                # fully_shard(model) makes model itself the FSDP2 module, even inside a helper
+                out.update(w for w in self.wrapping().get(v, ()) if w.kind == "fsdp2")
+        return frozenset(out)
+
+    def inferred(self) -> dict:
+        """Objects we cannot trace to a wrapper but whose use says they are one: ``x.no_sync()``,
+        ``x.require_backward_grad_sync = ...`` (DDP), ``x.set_requires_gradient_sync(...)`` (FSDP2)."""
+        if self._inferred is None:
+            self._inferred = {}
+            wrapped = self.wrapping()
+            for name, kind in (("no_sync", "ddp"), ("set_requires_gradient_sync", "fsdp2")):
+                for scope, call in self.values.calls(name, load=True):
+                    if name == "no_sync" and call.args:
+                        continue
+                    if isinstance(call.func, ast.Attribute):
+                        self._infer_from(self.values.expr(call.func.value, scope), kind, wrapped)
+            # ``with accelerator.accumulate(self.policy):`` on a parameter: a model the caller
+            # prepared (a module made here and never prepared is SC104's case, not this)
+            for scope, call in self.values.calls("accumulate"):
+                if call.args and isinstance(call.func, ast.Attribute) and any(
+                        isinstance(v, Framework) and v.kind == "accelerate"
+                        for v in self.values.expr(call.func.value, scope)):
+                    model = self.values.expr(call.args[0], scope)
+                    here = scope.module.segment(scope.node) if isinstance(scope, Function) else scope.text
+                    if "prepare(" not in here and all(isinstance(v, Obj) and len(v.site) == 4 for v in model):
+                        self._infer_from(model, "accelerate", wrapped)
+            for module in self.project.modules():
+                if _UNCALLED_NO_SYNC.search(module.text):
+                    # ``ctx = model.no_sync if ... else nullcontext``: the method itself, called later
+                    self._infer_uncalled(module, wrapped)
+                if "require_backward_grad_sync" not in module.text:
+                    continue
+                for scope in [module] + list(module.functions.values()):
+                    info = self.values.info(scope)
+                    for receiver, attr, _, _ in info.obj_attrs:
+                        if attr == "require_backward_grad_sync":
+                            self._infer_from(self.values.expr(receiver, scope), "ddp", wrapped)
+        return self._inferred
+
+    def _infer_uncalled(self, module, wrapped: dict) -> None:
+        called = {id(n.func) for n in walk(module.tree) if isinstance(n, ast.Call)}
+        scopes = [(fn.node, fn) for fn in module.functions.values()] + [(module.tree, module)]
+        for node, scope in scopes:
+            for n in walk_no_defs(node) if scope is not module else children(node):
+                if isinstance(n, ast.Attribute) and n.attr == "no_sync" and id(n) not in called:
+                    self._infer_from(self.values.expr(n.value, scope), "ddp", wrapped)
+
+    def _infer_from(self, vals, kind: str, wrapped: dict) -> None:
+        if any(isinstance(v, (Wrapper, Inner, Framework)) for v in vals):
+            return          # (``accelerator.no_sync``: the framework's own context, not a DDP model)
+        for v in vals:
+            if isinstance(v, Obj) and v not in wrapped:
+                self._inferred.setdefault(v.site, kind)
+
+    def wrapping(self) -> dict:
+        """Obj -> the wrappers built around it (``ddp = DDP(model)``: model's object -> ddp)."""
+        if self._wrapping is None:
+            self._wrapping = {}
+            names = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "prepare",
+                     "prepare_model", "setup", "setup_module", "initialize"}
+            for module in self.project.modules():
+                for local, (mod, attr, _) in module.imports.items():
+                    if attr in ("DistributedDataParallel", "FullyShardedDataParallel"):
+                        names.add(local)
+            for name in sorted(names):
+                # fully_shard works in place, often inside a helper of another file: look there too
+                for scope, call in self.values.calls(name, load=name == "fully_shard"):
+                    for v in self.values.expr(call, scope):
+                        for w in _wrappers_in(v):
+                            for inner in self.values.wrapped_by(w):
+                                # (an instance of a project class is known by its class: ``Net()``)
+                                if isinstance(inner, (Obj, Inst)):
+                                    self._wrapping.setdefault(inner, set()).add(w)
+        return self._wrapping
+
+    def models_of(self, owners) -> frozenset:
+        """The wrapper keys of an optimizer's owners (a wrapper, its ``.module``, what it wraps)."""
+        out = set()
+        wrapping = None
+        for v in owners:
+            if isinstance(v, Wrapper):
+                out.add(v)
+            elif isinstance(v, Inner):
+                out.add(v.wrapper)
+            elif isinstance(v, Obj):
+                if wrapping is None:
+                    wrapping = self.wrapping()
+                out |= wrapping.get(v, set())
+                out |= self.wrappers((v,))
+        return frozenset(out)
+
+    def managed_models(self) -> frozenset:
+        """Models under LocalSGD / a model averager: their gradient sync is off by design."""
+        if self._managed is None:
+            out = set()
+            for name in vocab.LOCAL_SGD:
+                for scope, call in self.values.calls(name, load=True):
+                    for v in self.values.expr(call, scope):
+                        if isinstance(v, LocalSGD):
+                            out |= self.wrappers(self.values.context_models(v))
+            self._managed = frozenset(out)
+        return self._managed
+
+
+def _wraps(vals) -> bool:
+    return any(_wrappers_in(v) for v in vals)
+
+
+def _wrappers_in(v) -> list:
+    from synccheck.analyzer.project.values import Tup
+    if isinstance(v, Wrapper):
+        return [v]
+    if isinstance(v, Tup):
+        return [w for item in v.items for x in item for w in _wrappers_in(x)]
+    return []
