@@ -8,23 +8,13 @@ helper's own rank tests (``zero_first(rank=-1)``).
 from __future__ import annotations
 
 import ast
-import re
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, parameter_default
 from synccheck.analyzer.project.traversal import children, walk
-
-RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
-                       r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
-                       r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
-                       r"is_main|rank_zero|is_master_process|is_chief|ddp_rank)(?![A-Za-z0-9])", re.I)
-MAIN_WORDS = ("main", "master", "zero", "chief")
-# a test of whether the job is distributed at all: false, there is one process
-DISTRIBUTED_TEST = re.compile(r"distributed|is_initialized|is_dist|world_size|ddp|multi_gpu|n_gpu|num_gpus|"
-                              r"num_processes|use_dist", re.I)
-
+from synccheck.analyzer.project.rank_tests import RankTests, _kind, _negation
 
 class RankCollective(NamedTuple):
     module: object
@@ -67,7 +57,7 @@ def _unbalanced(module, found: list) -> list:
     return out
 
 
-class _RankChecker:
+class _RankChecker(RankTests):
     def __init__(self, program) -> None:
         self.program = program
         self.values = program.values
@@ -205,132 +195,6 @@ class _RankChecker:
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
-    def sides(self, test, scope) -> tuple:
-        """(ranks where the test holds, ranks where it does not): "main", "other" or None (no
-        restriction: every rank may be there)."""
-        on_true, on_false = self._sides(test, scope, 0)
-        if on_true == on_false:
-            return None, None
-        return _ranks(on_true), _ranks(on_false)
-
-    def _sides(self, test, scope, depth: int) -> tuple:
-        # a third value, "single": the job is not distributed (``not args.distributed``,
-        # ``world_size == 1``): the one process is the main rank, and no collective can hang there.
-        # It only ever joins a real rank test (``distributed and rank != 0``).
-        if depth > 6:
-            return None, None
-        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            on_true, on_false = self._sides(test.operand, scope, depth + 1)
-            return on_false, on_true
-        if isinstance(test, ast.BoolOp):
-            parts = [self._sides(v, scope, depth + 1) for v in test.values]
-            trues, falses = [p[0] for p in parts], [p[1] for p in parts]
-            if isinstance(test.op, ast.Or):
-                # ``not a or not b`` is ``not (a and b)``
-                trues, falses = falses, trues
-            # an ``and`` holds only where each of its parts that names the ranks holds; it fails
-            # wherever any part fails, so only where every part fails on the same side
-            on_true = _agree([t for t in trues if t is not None])
-            on_false = _agree(falses) if all(f is not None for f in falses) else None
-            if isinstance(test.op, ast.Or):
-                on_true, on_false = on_false, on_true
-            if "main" not in (on_true, on_false) and "other" not in (on_true, on_false):
-                return None, None
-            return on_true, on_false
-        if isinstance(test, ast.Name) and not _main_name(test.id):
-            value, where = self._bound(test, scope)
-            if value is not None:
-                return self._sides(value, where, depth + 1)
-        pol = self.polarity(test, scope, depth)
-        if pol is not None:
-            return pol, _flip(pol)
-        if DISTRIBUTED_TEST.search(ast.unparse(test)):
-            return None, "single"
-        return None, None
-
-    def polarity(self, test, scope, depth: int = 0) -> Optional[str]:
-        """"main" when the test holds on the main rank only, "other" when on every rank but it."""
-        if depth > 6:
-            return None
-        if isinstance(test, ast.BoolOp) or (isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)):
-            return _ranks(self._sides(test, scope, depth)[0])
-        if isinstance(test, ast.Compare) and len(test.ops) == 1:
-            left, right, op = test.left, test.comparators[0], test.ops[0]
-            if _is_const(left) and not _is_const(right):
-                left, right = right, left
-                op = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}.get(type(op), op)
-            if not RANK_NAME.search(ast.unparse(left)):
-                return None
-            if isinstance(left, ast.BinOp) and not isinstance(left.op, ast.Mod):
-                return None
-            zeroish = _zeroish(right)
-            if zeroish is None:
-                return None
-            if isinstance(op, (ast.Eq, ast.In, ast.Is)) or (isinstance(op, ast.LtE) and zeroish):
-                return "main"
-            if isinstance(op, (ast.NotEq, ast.NotIn, ast.IsNot)) or (isinstance(op, ast.Gt) and zeroish):
-                return "other"
-            return None
-        if isinstance(test, ast.IfExp):
-            # ``a if fs_is_local else b``: a rank test when both cases are the same one
-            body, orelse = self.polarity(test.body, scope, depth + 1), self.polarity(test.orelse, scope, depth + 1)
-            return body if body == orelse else None
-        if isinstance(test, (ast.Name, ast.Attribute, ast.Call)):
-            node = test.func if isinstance(test, ast.Call) else test
-            text = ast.unparse(node)
-            if _main_name(text):
-                return "main"
-            if isinstance(test, ast.Name):
-                value, where = self._bound(test, scope)
-                if value is not None:
-                    return self.polarity(value, where, depth + 1)
-            returned = self._accessor_return(node, scope)
-            if returned is not None:
-                return self.polarity(returned[0], returned[1], depth + 1)
-        return None
-
-    def _accessor_return(self, node, scope):
-        """``self.can_checkpoint`` where the class defines ``can_checkpoint`` as a property (or a method
-        called without arguments) that only returns an expression: (that expression, the method)."""
-        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and
-                isinstance(scope, Function) and scope.cls is not None and scope.params and
-                node.value.id == scope.params[0]):
-            return None
-        method = self.program.project.attribute(scope.cls, node.attr)
-        if not isinstance(method, Function):
-            return self._stored_once(scope.cls, node.attr)
-        body = [s for s in method.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
-            return body[0].value, method
-        return None
-
-    def _stored_once(self, klass, attr: str):
-        """``self.can_checkpoint = self.is_local_main if ... else self.is_main``: the one expression the
-        class's methods store in the attribute, with the method that stores it; None otherwise."""
-        found = []
-        for method in klass.methods.values():
-            if not method.params:
-                continue
-            for node in ast.walk(method.node):
-                if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                    target = node.targets[0]
-                    if isinstance(target, ast.Attribute) and target.attr == attr and \
-                            isinstance(target.value, ast.Name) and target.value.id == method.params[0]:
-                        found.append((node.value, method))
-        return found[0] if len(found) == 1 else None
-
-    def _bound(self, name: ast.Name, scope) -> tuple:
-        """(the expression a name is bound to unconditionally, its scope), or (None, None)."""
-        if isinstance(scope, Function):
-            for value, path in self.values.info(scope).assigns.get(name.id, ()):
-                if not path:
-                    return value, scope
-        module = self.values.module_of(scope)
-        for value in module.globals.get(name.id, ()):
-            return value, module
-        return None, None
-
-
 _UNKNOWN = object()
 
 
@@ -414,68 +278,6 @@ def _fold(node, binding: dict):
         except TypeError:
             return _UNKNOWN
     return _UNKNOWN
-
-
-def _kind(name: str) -> str:
-    if name in ("barrier", "monitored_barrier", "wait_for_everyone"):
-        return "barrier"
-    return name
-
-
-def _flip(pol: Optional[str]) -> Optional[str]:
-    return {"main": "other", "other": "main"}.get(pol)
-
-
-def _negation(test) -> str:
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return ast.unparse(test.operand)
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and type(test.ops[0]) in _NEGATED:
-        return ast.unparse(ast.Compare(test.left, [_NEGATED[type(test.ops[0])]()], test.comparators))
-    inner = ast.unparse(test)
-    return f"not ({inner})" if isinstance(test, (ast.BoolOp, ast.Compare)) else f"not {inner}"
-
-
-_NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot,
-            ast.IsNot: ast.Is}
-
-
-def _main_name(text: str) -> bool:
-    last = text.rsplit(".", 1)[-1].lower()
-    return bool(RANK_NAME.search(last)) and any(w in last for w in MAIN_WORDS)
-
-
-def _agree(sides: list) -> Optional[str]:
-    """The one side all of these are on ("single" is the main rank), else None."""
-    found = {"main" if s == "single" else s for s in sides}
-    if len(found) != 1 or None in found:
-        return None
-    return "single" if all(s == "single" for s in sides) else found.pop()
-
-
-def _ranks(side: Optional[str]) -> Optional[str]:
-    return side if side in ("main", "other") else None
-
-
-def _is_const(node) -> bool:
-    return isinstance(node, ast.Constant) or (isinstance(node, (ast.List, ast.Tuple, ast.Set)) and all(
-        isinstance(e, (ast.Constant, ast.UnaryOp)) for e in node.elts)) or (
-        isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant))
-
-
-def _zeroish(node) -> Optional[bool]:
-    """True for 0, [0], [-1, 0] (the main rank, or no distribution); None for anything else."""
-    if isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool):
-        return True
-    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-        vals = []
-        for e in node.elts:
-            try:
-                vals.append(ast.literal_eval(e))
-            except ValueError:
-                return None
-        if 0 in vals and all(v in (0, -1) for v in vals):
-            return True
-    return None
 
 
 def _exits(stmts) -> bool:
