@@ -224,6 +224,34 @@ CASES = {
             if (i + 1) % 4 == 0:
                 optimizer.step()
     """,
+    # a loss divided in place, and an output given its gradient (GradCache): not SC202
+    "loss_divided_in_place": """
+        def loop(model, opt, loader, accum):
+            for i, x in enumerate(loader):
+                loss = model(x)
+                loss.div_(accum)
+                loss.backward()
+                if (i + 1) % accum == 0:
+                    opt.step()
+                    opt.zero_grad()
+    """,
+    "loss_not_divided": """
+        def loop(model, opt, loader, accum):
+            for i, x in enumerate(loader):
+                loss = model(x)
+                loss.backward()  # SC202
+                if (i + 1) % accum == 0:
+                    opt.step()
+                    opt.zero_grad()
+    """,
+    "backward_with_explicit_gradient": """
+        def step(encoder, optimizer, chunks, grads):
+            for chunk, grad in zip(chunks, grads):
+                reps = encoder(chunk)
+                reps.backward(grad)
+            optimizer.step()
+            optimizer.zero_grad()
+    """,
 }
 
 

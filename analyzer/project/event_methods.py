@@ -106,6 +106,10 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             backward(flow, node, args[0], "optimizer.backward", st, fr)
             return NONE_VAL
         how = "scaler.scale(loss).backward" if _scale_call(node.func.value) else "loss.backward"
+        if (args or kws.get("gradient") is not None) and recv.scaled is not True:
+            # ``reps.backward(grad)``: not a loss but an output and the gradient to give it (GradCache);
+            # whatever scaling there is, is in that gradient
+            recv = recv._replace(scaled=None)
         backward(flow, node, recv, how, st, fr)
         return NONE_VAL
     if attr == "manual_backward" and args and not project_method:
@@ -181,6 +185,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return _val(ONE_UNKNOWN)
     if attr in vocab.TENSOR_PASSTHROUGH and recv.prov:
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
+    if attr in ("div_", "mul_") and args and isinstance(node.func.value, ast.Name) and \
+            node.func.value.id in st.env:
+        # ``loss.div_(accum)``: the name itself now holds the divided loss
+        name = node.func.value.id
+        st.env[name] = st.env[name]._replace(scaled=True)
     if attr in ("div", "div_", "mul", "mul_", "true_divide") and recv.prov:
         return _val(ONE_UNKNOWN, recv.prov, True)
     if attr == "average_parameters" or (attr in vocab.GRAD_SYNC and not project_method):
