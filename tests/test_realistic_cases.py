@@ -252,6 +252,33 @@ CASES = {
             optimizer.step()
             optimizer.zero_grad()
     """,
+    # the loop's bound under another name: ``n = len(microbatches)``
+    "sync_on_every_micro_step_but_the_last": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(net, opt, microbatches):
+            model = DDP(net)
+            n = len(microbatches)
+            for idx, x in enumerate(microbatches):
+                model.require_backward_grad_sync = idx != n - 1  # SC103
+                loss = model(x) / n
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """,
+    "sync_on_the_last_micro_step": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(net, opt, microbatches):
+            model = DDP(net)
+            n = len(microbatches)
+            for idx, x in enumerate(microbatches):
+                model.require_backward_grad_sync = idx == n - 1
+                loss = model(x) / n
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+    """,
 }
 
 

@@ -15,6 +15,7 @@ import ast
 import re
 from typing import Optional
 
+from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import FALSE, MASKS, TRUE, last_form, mod_form, mod_parts
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.state import origin_of
@@ -269,6 +270,9 @@ class Conditions:
                 continue
             is_last = last_form(node, loop.counter, loop.bound)
             if is_last is None:
+                named = self._bound_named(node, loop.bound, fr)
+                is_last = last_form(named, loop.counter, loop.bound) if named is not None else None
+            if is_last is None:
                 continue
             atom = self.flow.last_atom(loop)
             if atom is None:
@@ -277,6 +281,29 @@ class Conditions:
                 return _Negated(atom)
             return atom
         return None
+
+    def _bound_named(self, node, bound: str, fr):
+        """The test with a name bound once to the loop's bound written as that bound:
+        ``n = len(microbatches)`` ... ``idx != n - 1`` inside ``for idx, x in enumerate(microbatches)``."""
+        if not isinstance(fr.scope, Function):
+            return None
+        assigns = self.flow.values.info(fr.scope).assigns
+        swapped = False
+
+        def swap(n):
+            nonlocal swapped
+            if isinstance(n, ast.Name):
+                found = assigns.get(n.id, ())
+                if len(found) == 1 and not found[0][1] and ast.dump(found[0][0]) == bound:
+                    swapped = True
+                    return found[0][0]
+                return n
+            if isinstance(n, ast.BinOp):
+                return ast.BinOp(swap(n.left), n.op, swap(n.right))
+            return n
+
+        out = ast.Compare(swap(node.left), node.ops, [swap(c) for c in node.comparators])
+        return out if swapped else None
 
     def _fold(self, node, fr) -> Optional[bool]:
         """``x % 1 == 0`` where the modulus is a constant 1 (accumulation that cannot happen)."""
