@@ -215,14 +215,19 @@ def block_nodes(node) -> list:
     while stack:
         n = stack.pop()
         out.append(n)
-        cls = n.__class__
-        fields = fields_of.get(cls)
+        fields = fields_of.get(n.__class__)
         if fields is None:
-            fields = fields_of[cls] = tuple(f for f in cls._fields if f in _BLOCKS) \
-                if issubclass(cls, _BLOCK_TYPES) else ()
+            fields = _block_fields(n.__class__)
         for field in fields:
             stack.extend(getattr(n, field, None) or ())
     return out
+
+
+def _block_fields(cls) -> tuple:
+    """The fields of a node class that hold statements (``body``, ``orelse``, ...), read once."""
+    fields = _BLOCK_FIELDS[cls] = tuple(f for f in cls._fields if f in _BLOCKS) \
+        if issubclass(cls, _BLOCK_TYPES) else ()
+    return fields
 
 
 def block_nodes_no_defs(node) -> list:
@@ -236,11 +241,9 @@ def block_nodes_no_defs(node) -> list:
     while stack:
         n = pop()
         out.append(n)
-        cls = n.__class__
-        fields = fields_of.get(cls)
+        fields = fields_of.get(n.__class__)
         if fields is None:
-            fields = fields_of[cls] = tuple(f for f in cls._fields if f in _BLOCKS) \
-                if issubclass(cls, _BLOCK_TYPES) else ()
+            fields = _block_fields(n.__class__)
         for field in fields:
             for child in getattr(n, field, None) or ():
                 if not isinstance(child, defs):
