@@ -279,6 +279,35 @@ CASES = {
             opt.step()
             opt.zero_grad()
     """,
+    # ``i < len(samples)``: true on every turn, so the last micro-step runs under no_sync too
+    "no_sync_on_every_micro_step": """
+        import contextlib
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train_step(net, optimizer, samples):
+            model = DDP(net)
+            for i, sample in enumerate(samples):
+                ctx = model.no_sync() if i < len(samples) else contextlib.nullcontext()
+                with ctx:  # SC103
+                    loss = model(sample) / len(samples)
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    """,
+    "no_sync_but_on_the_last_micro_step": """
+        import contextlib
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train_step(net, optimizer, samples):
+            model = DDP(net)
+            for i, sample in enumerate(samples):
+                ctx = model.no_sync() if i < len(samples) - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss = model(sample) / len(samples)
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    """,
 }
 
 

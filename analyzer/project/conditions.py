@@ -154,6 +154,9 @@ class Conditions:
             node = ast.Compare(node.left, [ast.In()], node.comparators)
             polarity = False
         last = self._last(node, st, fr)
+        if isinstance(last, bool):
+            # ``i < len(samples)`` in ``for i, s in enumerate(samples)``: true on every turn
+            return (TRUE, FALSE) if last == polarity else (FALSE, TRUE)
         if isinstance(last, _Negated):
             atom, polarity = last.atom, not polarity
         else:
@@ -262,7 +265,8 @@ class Conditions:
         return ("expr", ast.dump(node), tuple(self.flow.version(n, st) for n in free_names(node)))
 
     def _last(self, node, st, fr):
-        """The LAST atom of an enclosing counted loop, when the test reads its counter that way."""
+        """The LAST atom of an enclosing counted loop, when the test reads its counter that way (or
+        True / False for a test every turn passes / fails: ``i < len(samples)``)."""
         if not isinstance(node, ast.Compare):
             return None
         for loop in reversed(fr.loops):
@@ -273,6 +277,9 @@ class Conditions:
                 named = self._bound_named(node, loop.bound, fr)
                 is_last = last_form(named, loop.counter, loop.bound) if named is not None else None
             if is_last is None:
+                whole = _whole_range(named if named is not None else node, loop)
+                if whole is not None:
+                    return whole
                 continue
             atom = self.flow.last_atom(loop)
             if atom is None:
@@ -326,6 +333,20 @@ class _Negated:
     """Stands for ``not LAST``: literal() turns it back into guards."""
     def __init__(self, atom) -> None:
         self.atom = atom
+
+
+def _whole_range(node, loop) -> Optional[bool]:
+    """``t < n`` (always) or ``t >= n`` (never) for a loop counting ``t`` from 0 to ``n``."""
+    if len(node.ops) != 1 or loop.info.start != 0:
+        return None
+    left, right, op = node.left, node.comparators[0], node.ops[0]
+    if not (isinstance(left, ast.Name) and left.id == loop.counter and ast.dump(right) == loop.bound):
+        return None
+    if isinstance(op, ast.Lt):
+        return True
+    if isinstance(op, ast.GtE):
+        return False
+    return None
 
 
 def _constant(value) -> Optional[bool]:
