@@ -308,6 +308,40 @@ CASES = {
             optimizer.step()
             optimizer.zero_grad()
     """,
+    # two wrapped models, one optimizer handed in, no_sync on the encoder only: the decoder syncs
+    "no_sync_on_one_of_two_models": """
+        from contextlib import nullcontext
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(enc_net, dec_net, opt, loader):
+            encoder = DDP(enc_net)
+            decoder = DDP(dec_net)
+            for i, x in enumerate(loader):
+                sync = (i + 1) % 4 == 0
+                with nullcontext() if sync else encoder.no_sync():
+                    loss = decoder(encoder(x)) / 4
+                    loss.backward()  # SC101
+                if sync:
+                    opt.step()
+                    opt.zero_grad()
+    """,
+    # a GAN steps two optimizers: the generator's loss through D is no accumulation of D
+    "gan_generator_loss_through_discriminator": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(gen, disc, opt_g, opt_d, loader, criterion):
+            G, D = DDP(gen), DDP(disc)
+            for real in loader:
+                opt_d.zero_grad()
+                fake = G(real.new_randn())
+                loss_d = criterion(D(real), 1) + criterion(D(fake.detach()), 0)
+                loss_d.backward()
+                opt_d.step()
+                opt_g.zero_grad()
+                loss_g = criterion(D(fake), 1)
+                loss_g.backward()
+                opt_g.step()
+    """,
 }
 
 

@@ -9,10 +9,12 @@ off, and a collective that syncs gradients by hand marks them synchronized. Each
 """
 from __future__ import annotations
 
+import ast
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import PLAIN, EnvVal, Forward, Token, sync_state, with_flag
+from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Inner, Obj, Optim, Wrapper, site_of
 
 
@@ -95,6 +97,8 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                     owned = _owned(flow, frozenset((v,)))
                     if owned:
                         together.append(owned)
+        if not together and _one_stepper(flow):
+            together.append(models)      # one optimizer in the loop's function, whatever it owns
 
     def transfer(prop, guard):
         pending = frozenset(f.model for f in prop.forwards)
@@ -137,6 +141,23 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
         yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
 
     _each(st, transfer)
+
+
+def _one_stepper(flow) -> bool:
+    """Does the loop's function step one optimizer only (``opt.step()``, ``scaler.step(opt)``)? A GAN
+    steps two (``opt_g.step()``, ``opt_d.step()``)."""
+    key = ("one stepper",)
+    if key not in flow.memo:
+        root = flow.root
+        names = set()
+        for n in walk(root.node if hasattr(root, "node") else root.tree):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step":
+                target = n.args[0] if n.args and _name(n.func.value).endswith("scaler") else n.func.value
+                name = _name(target)
+                if name and not any(w in name.lower() for w in ("sched", "lr", "ema", "warmup")):
+                    names.add(name)
+        flow.memo[key] = len(names) == 1
+    return flow.memo[key]
 
 
 def _owned(flow, optims: frozenset) -> Optional[frozenset]:
@@ -277,3 +298,4 @@ def collective(flow, node, what: str, st, fr) -> None:
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import _prov, _val
+from synccheck.analyzer.project.event_methods import _name
