@@ -295,22 +295,10 @@ class Conditions:
         if not isinstance(fr.scope, Function):
             return None
         assigns = self.flow.values.info(fr.scope).assigns
-        swapped = False
-
-        def swap(n):
-            nonlocal swapped
-            if isinstance(n, ast.Name):
-                found = assigns.get(n.id, ())
-                if len(found) == 1 and not found[0][1] and ast.dump(found[0][0]) == bound:
-                    swapped = True
-                    return found[0][0]
-                return n
-            if isinstance(n, ast.BinOp):
-                return ast.BinOp(swap(n.left), n.op, swap(n.right))
-            return n
-
-        out = ast.Compare(swap(node.left), node.ops, [swap(c) for c in node.comparators])
-        return out if swapped else None
+        swapped = [False]
+        out = ast.Compare(_swap(node.left, assigns, bound, swapped), node.ops,
+                          [_swap(c, assigns, bound, swapped) for c in node.comparators])
+        return out if swapped[0] else None
 
     def _fold(self, node, fr) -> Optional[bool]:
         """``x % 1 == 0`` where the modulus is a constant 1 (accumulation that cannot happen)."""
@@ -333,6 +321,20 @@ class _Negated:
     """Stands for ``not LAST``: literal() turns it back into guards."""
     def __init__(self, atom) -> None:
         self.atom = atom
+
+
+def _swap(n, assigns: dict, bound: str, swapped: list):
+    """``n`` with each name bound once to the expression dumped as ``bound`` written as it.
+    (A plain function, not a closure: a recursive closure keeps the trees alive in a cycle.)"""
+    if isinstance(n, ast.Name):
+        found = assigns.get(n.id, ())
+        if len(found) == 1 and not found[0][1] and ast.dump(found[0][0]) == bound:
+            swapped[0] = True
+            return found[0][0]
+        return n
+    if isinstance(n, ast.BinOp):
+        return ast.BinOp(_swap(n.left, assigns, bound, swapped), n.op, _swap(n.right, assigns, bound, swapped))
+    return n
 
 
 def _whole_range(node, loop) -> Optional[bool]:
