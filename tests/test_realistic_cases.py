@@ -342,6 +342,34 @@ CASES = {
                 loss_g.backward()
                 opt_g.step()
     """,
+    # gradients divided before the step are the accumulation's division; a helper nobody calls is not
+    "grads_divided_before_the_step": """
+        def train(model, optimizer, loader, accum):
+            for step, (x, y) in enumerate(loader):
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                if (step + 1) % accum == 0:
+                    for p in model.parameters():
+                        p.grad /= accum
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """,
+    "dead_grad_division_helper": """
+        import torch
+
+        def scale_grads(model, n):
+            for p in model.parameters():
+                p.grad /= n
+
+        model = torch.nn.Linear(4, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(loader):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()  # SC202
+            if (step + 1) % accum == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """,
 }
 
 

@@ -1,3 +1,4 @@
+import ast
 import re
 
 from synccheck.analyzer.rules.base import Rule
@@ -105,10 +106,36 @@ _RESCALE = re.compile(r"(multiply_grads|\.grad\.div_|\.grad\.mul_|scale_grads|gr
                       r"\.grad\.data\.mul_)(?P<rest>[^\n]*)")
 
 
+def _enclosing(module, node):
+    """The innermost function of ``module`` whose lines hold ``node``."""
+    line = getattr(node, "lineno", None)
+    if module is None or line is None:
+        return None
+    best = None
+    for fn in module.functions.values():
+        start, end = fn.node.lineno, getattr(fn.node, "end_lineno", fn.node.lineno)
+        if start <= line <= end and (best is None or start >= best.node.lineno):
+            best = fn
+    return best
+
+
 def _grads_rescaled(flow) -> bool:
     """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``).
     Undoing an fp16 loss scale (``p.grad.mul_(1.0 / 2 ** self.lg_loss_scale)``) is not that."""
-    texts = [m.text for m in {id(m): m for m, _ in flow.records.nodes.values()}.values()]
+    texts = []
+    root = flow.root
+    if hasattr(root, "node"):
+        texts.append(root.module.segment(root.node) or "")
+    else:       # a script's top level: its statements, not the functions it defines
+        texts.extend(root.segment(s) or "" for s in root.tree.body
+                     if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+    # and the functions the loop's events are in (a dead ``scale_grads`` elsewhere in the file is not)
+    seen = set()
+    for module, node in flow.records.nodes.values():
+        fn = _enclosing(module, node)
+        if fn is not None and id(fn) not in seen:
+            seen.add(id(fn))
+            texts.append(module.segment(fn.node) or "")
     for text in texts:
         for match in _RESCALE.finditer(text):
             if "loss_scale" not in match.group("rest"):
