@@ -81,6 +81,7 @@ class Conditions:
         self.atoms = flow.atoms
         self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
         self._calls: dict = {}     # id(expression) -> (expression, whether it holds a call)
+        self._stable_seen: set = set()   # (atom, id(function)) already asked whether it is written
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -192,10 +193,13 @@ class Conditions:
                     # caller's own objects, by what the receiver is a copy of, hold between calls
                     versions = tuple(origin[2] for origin, _ in stable)
                     atom = self.atoms.get(("STABLE", dump, stable), text)
-                    if atom is not None and all(v == 0 for v in versions) and not self._written(stable, fr):
+                    seen = (atom.index, id(fr.scope)) if atom is not None else None
+                    if seen is not None and seen not in self._stable_seen and all(v == 0 for v in versions):
                         # (still tested afresh each turn, unless it turns out to guard a zero_grad:
-                        # Flow.if_ makes such a switch hold all run)
-                        self.flow.stable_atoms.add(atom.index)
+                        # Flow.if_ makes such a switch hold all run; asked once per test and function)
+                        self._stable_seen.add(seen)
+                        if not self._written(stable, fr):
+                            self.flow.stable_atoms.add(atom.index)
                 else:
                     atom = self.atoms.get((dump, versions), text)
             if atom is None:

@@ -131,19 +131,22 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             return NONE_VAL
         return None
     if attr == "zero_grad" and not project_method:
-        if _unknown(vals) and not vocab.looks_like_optimizer(_name(node.func.value)) and \
-                not _name(node.func.value).endswith("model") and not program.wrappers(vals):
+        unknown = _unknown(vals)
+        named_optimizer = vocab.looks_like_optimizer(_name(node.func.value))
+        if unknown and not named_optimizer and not _name(node.func.value).endswith("model") and \
+                not program.wrappers(vals):
             return None
-        zero_grad(flow, node, vals, st, fr, unknown=_unknown(vals) and vocab.looks_like_optimizer(_name(node.func.value)))
+        zero_grad(flow, node, vals, st, fr, unknown=unknown and named_optimizer)
         return NONE_VAL
     if attr == "no_sync" and not node.args:
         models = program.wrappers(vals)
         if frameworks:
             return None
-        if not models and any(isinstance(v, (Obj, Inst)) and program.wrapping().get(v) for v in vals):
+        built = frozenset(w for v in vals if isinstance(v, (Obj, Inst)) for w in program.wrapping().get(v, ())) \
+            if not models else frozenset()
+        if built:
             # ``net.no_sync()`` on the module a DDP wrapper was built from: SC104 says what is wrong
             # with it; the micro-steps under it get no verdict of their own (neither "off" nor "on")
-            built = frozenset(w for v in vals if isinstance(v, (Obj, Inst)) for w in program.wrapping().get(v, ()))
             return _val(frozenset((FlowCtx("unknown", built, site, _text(fr, node)),)))
         return _val(frozenset((FlowCtx("off", models, site, _text(fr, node)),)))
     if attr in ("no_sync", "accumulate") and "accelerate" in frameworks:

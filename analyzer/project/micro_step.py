@@ -154,7 +154,7 @@ def _one_stepper(flow) -> bool:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step":
                 target = n.args[0] if n.args and _name(n.func.value).endswith("scaler") else n.func.value
                 name = _name(target)
-                if name and not any(w in name.lower() for w in ("sched", "lr", "ema", "warmup")):
+                if name and not any(w in name for w in ("sched", "lr", "ema", "warmup")):    # (_name lowercases)
                     names.add(name)
         flow.memo[key] = len(names) == 1
     return flow.memo[key]
