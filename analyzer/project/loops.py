@@ -21,6 +21,7 @@ from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.traversal import walk
 
 MAX_LOOP_ROUNDS = 6
+_NO_EVENT = frozenset(("call", "exit", "wrap"))
 
 
 class LoopInfo:
@@ -142,7 +143,12 @@ class Loops:
         turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
         if is_for and info.each(_steps_each):
             self.optimizer_loops.add(info.id)
-        entry = St(_with_first(st.props.items(), info.id, True), dict(st.env))
+        # a loop's first iteration is told apart only where a test can ask for it: its counter's
+        # in a loop that runs an event (``micro_step == 0``, ``i % n``), or DDP's static_graph (SC106);
+        # other loops (a model's ``for block in self.blocks``) would only multiply the properties
+        first = self.program.mentions_static_graph or info.counter is not None and info.start is not None and bool(
+            self.program.words(s.body, fr.scope) - _NO_EVENT)
+        entry = St(_with_first(st.props.items(), info.id, True) if first else st.props, dict(st.env))
         head = entry
         end = None
         for _ in range(MAX_LOOP_ROUNDS):
@@ -179,7 +185,7 @@ class Loops:
         out = self.join(exits)
         if out is not None and s.orelse:
             out = self.block(s.orelse, out, fr)
-        if out is not None:
+        if out is not None and first:
             out = St(_with_first(out.props.items(), info.id, False), out.env)
         return out
 

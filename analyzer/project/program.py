@@ -45,6 +45,7 @@ class Program(WrappedModels):
         self._flows = None
         self.incomplete: list = []      # roots whose analysis hit a budget
         self._no_sync = None
+        self._static_graph = (0, False)  # (modules looked at, whether one says static_graph)
         self._eventful: set = set()      # names of project functions that say ROOT_WORDS
         self._eventful_seen = 0
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view
@@ -68,6 +69,17 @@ class Program(WrappedModels):
             self._no_sync = any("no_sync" in m.text for m in self.project.modules()) or any(
                 text is not None and "no_sync" in text for _, text in self.project.catalog.values())
         return self._no_sync
+
+    @property
+    def mentions_static_graph(self) -> bool:
+        """Does a parsed module pass ``static_graph=``? Only then does a loop's first iteration matter
+        beyond the tests of its own counter (SC106: the first forward of a static-graph DDP model)."""
+        seen, found = self._static_graph
+        modules = self.project.by_path
+        if not found and seen < len(modules):
+            found = any("static_graph" in m.text and _passes_static_graph(m.tree) for m in list(modules.values())[seen:])
+            self._static_graph = (len(modules), found)
+        return found
 
     # -- flows ---------------------------------------------------------------------------------------
     def flows(self) -> list:
@@ -319,6 +331,16 @@ class Program(WrappedModels):
             found = duck_method(self.project, name, caller_cls, call)
             self._ducks[key] = Bound(found[0], Inst(found[1])) if found is not None else None
         return self._ducks[key]
+
+
+def _passes_static_graph(tree) -> bool:
+    """``DDP(..., static_graph=True)``, ``dict(static_graph=...)``, ``{"static_graph": ...}`` (not a
+    docstring that names it)."""
+    for node in ast.walk(tree):
+        if type(node) is ast.keyword and node.arg == "static_graph" or \
+                type(node) is ast.Constant and node.value == "static_graph":
+            return True
+    return False
 
 
 def _callables(project, sym) -> list:
