@@ -56,6 +56,11 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         duck = flow.program.duck_method(func.attr, fr.scope, node)
         if duck is not None:
             targets = [duck]
+    if len(targets) > MAX_FANOUT:
+        # a dispatch over many classes (``self.scheduler.step(...)`` on any of a library's dozens of
+        # schedulers): not a training loop's own code. Reading each would cost more than it could
+        # tell; what they return is read from their returns
+        return _opaque_dispatch(flow, targets, args, kws)
     results = []
     if len(targets) > 1:
         # a base class's hook (``raise NotImplementedError``) never runs where a subclass fills it
@@ -96,6 +101,21 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
+
+
+MAX_FANOUT = 8      # targets of one call analysed in place, each as a path
+
+
+def _opaque_dispatch(flow, targets, args, kws) -> EnvVal:
+    out = set()
+    for v in targets:
+        if isinstance(v, (Func, Bound)):
+            out |= flow.values.returns_for(v.fn, v.receiver if isinstance(v, Bound) else None)
+        elif isinstance(v, Cls):
+            out.add(Inst(v.cls))
+        else:
+            out |= ONE_UNKNOWN
+    return _val(frozenset(out) or ONE_UNKNOWN, _prov(*args, *kws.values()))
 
 
 def _held_models(flow, inst: Inst) -> frozenset:
@@ -210,7 +230,7 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
     if result is None:
         # not worth following (no event, no model passed in): what it returns, and whether it divides
         prov = _prov(*args, *kws.values())
-        return _val(flow.values.returns(fn), prov, flow.program.returns_scaled(fn))
+        return _val(flow.values.returns_for(fn, receiver), prov, flow.program.returns_scaled(fn))
     return result
 
 
@@ -222,7 +242,7 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     carries = any(a.prov or flow.program.wrappers(a.values) for a in list(args) + list(kws.values()))
     if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
         return None
-    if yield_handler is None and not (flow.program.has_events(fn) or carries):
+    if yield_handler is None and not carries and not _worth_inlining(flow, fn, receiver, args, kws):
         return None
     env = {}
     params = list(fn.params)
@@ -286,6 +306,59 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     if key is not None:
         flow.memo[key] = (props, result)
     return result
+
+
+_CALLS_ONLY = frozenset(("call", "exit", "wrap"))
+_CALLABLE = (Func, Bound, Cls, Inst, Inner, Obj)
+
+
+def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
+    """Can analysing ``fn`` in place change what happens to gradients? It runs an event (a backward,
+    a step, a sync control) through the calls it makes; or it calls a value that may be a model or a
+    callback, and it was handed one (a callable argument, an instance that holds data-parallel models
+    or callables). A library function that only calls its own objects (a pipeline's ``__call__``, a
+    VAE's tiled encode) cannot: its body is not walked, what it returns is read from its returns."""
+    words = flow.program.fn_words(fn)
+    if words - _CALLS_ONLY:
+        return True
+    if "call" not in words:
+        return False
+    if fn.parent is not None:
+        return True                         # a closure: it may call the caller's model
+    for a in list(args) + list(kws.values()):
+        if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
+            return True
+    return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+def _holds_callables(flow, inst: Inst) -> bool:
+    """Does an instance keep a data-parallel model, or a function or object of ours it may call
+    (``self.loss_fn = compute_loss``), in its attributes?"""
+    key = ("holds", inst.cls.uid)
+    if key not in flow.memo:
+        flow.memo[key] = True               # (a cycle through the attributes reads as holding one)
+        found = bool(_held_models(flow, inst))
+        if not found:
+            attrs = set()
+            for klass in flow.project.mro(inst.cls):
+                attrs.update(_class_attrs(flow.values, klass))
+            for attr in sorted(attrs):
+                vals = flow.values.instance_attribute(inst, attr)
+                if any(isinstance(v, (Func, Bound, Inner, FlowPartial)) or isinstance(v, Inst) and
+                       _runs_events(flow, v) for v in vals):
+                    found = True
+                    break
+        flow.memo[key] = found
+    return flow.memo[key]
+
+
+def _runs_events(flow, inst: Inst) -> bool:
+    """Does calling this instance (its ``__call__``, or a module's ``forward``) run an event?"""
+    for name in ("__call__", "forward"):
+        method = flow.project.attribute(inst.cls, name)
+        if isinstance(method, Function):
+            return bool(flow.program.fn_words(method) - _CALLS_ONLY)
+    return False
 
 
 def _freeze(value: EnvVal):

@@ -169,6 +169,8 @@ class Loops:
             end = self.join([out] + ctx.continues)
             back = self.restrict(end.copy(), self.atoms.formula(last, False)) if (last is not None and end) else end
             new_head = self.join([entry, self.back_edge(back, info)])
+            if new_head is not None and len(new_head.props) > self.peak:
+                self.peak = len(new_head.props)
             if _same(new_head, head):
                 break
             head = new_head

@@ -66,8 +66,21 @@ def pop_controls(st, owner: int) -> None:
 
 def with_(flow, s, st, fr):
     owner = id(s)
+    loop = fr.loops[-1] if fr.loops else None
+    marks = (len(loop.continues), len(loop.breaks)) if loop is not None else (0, 0)
+    returns = len(fr.returns)
     out = _enter(flow, s, 0, st, fr, owner)
     pop_controls(out, owner)
+    # a ``continue``, ``break`` or ``return`` inside the body leaves the with too: its controls end
+    # there (left on, they piled up one more each time round the loop)
+    exits = [(fr.returns, returns)]
+    if loop is not None:
+        exits += [(loop.continues, marks[0]), (loop.breaks, marks[1])]
+    for states, start in exits:
+        for k in range(start, len(states)):
+            if states[k] is not None:
+                states[k] = states[k].copy()
+                pop_controls(states[k], owner)
     return out
 
 

@@ -68,6 +68,7 @@ class Flow(Loops):
         self._first_masks: dict = {}
         self.memo: dict = {}
         self.work = 0
+        self.peak = 0                    # the most properties a loop head held (what a statement costs)
         self.incomplete = False
         self.loop_stack: list = []       # ids of the loops being executed, callers' included
         self.optimizer_loops: set = set()  # ids of ``for opt in optimizers: opt.step()`` loops

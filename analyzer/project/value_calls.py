@@ -90,7 +90,7 @@ class CallValues:
         if isinstance(callee, (Func, Bound)):
             if callee.fn.contextmanager:
                 return frozenset((Ctx("helper", site, _text(module, call)),))
-            return self.returns(callee.fn)
+            return self.returns_for(callee.fn, callee.receiver if isinstance(callee, Bound) else None)
         if isinstance(callee, Cls):
             qual = qualified_name(callee.cls)
             ext = self.project.external_bases(callee.cls)
@@ -235,6 +235,20 @@ class CallValues:
 
     def returns(self, fn: Function) -> frozenset:
         return self._memoized(("returns", fn.uid), lambda: self._returns(fn))
+
+    def returns_for(self, fn: Function, receiver) -> frozenset:
+        """What ``fn`` returns, called on ``receiver``. ``FluxPipeline.from_pretrained(...)``: the
+        classmethod's ``cls(...)`` makes an instance of the class it was called on (or of a subclass),
+        not of every subclass of the class that defines it (a pipeline library has hundreds)."""
+        out = self.returns(fn)
+        if not isinstance(receiver, Cls) or not fn.is_method or fn.cls is None or receiver.cls is fn.cls:
+            return out
+        mine = receiver.cls
+        if not any(isinstance(v, (Inst, Cls)) and v.cls is not mine for v in out):
+            return out
+        mro = self.project.mro
+        return frozenset(v for v in out if not (isinstance(v, (Inst, Cls)) and fn.cls in mro(v.cls)
+                                                 and mine not in mro(v.cls)))
 
     def _returns(self, fn: Function) -> frozenset:
         info = self.info(fn)

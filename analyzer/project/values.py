@@ -354,6 +354,10 @@ class Values(ContainerValues, ParameterValues, CallValues):
         for v in receivers:
             if isinstance(v, (Mod, Ext, Cls)):
                 sym = self.project.attribute(v.module if False else _symbol_of(v), attr)
+                if isinstance(v, Cls) and isinstance(sym, Function) and sym.is_method and any(
+                        _deco(d) == "classmethod" for d in sym.node.decorator_list):
+                    out.add(Bound(sym, v))         # ``Pipe.load(path)``: ``cls`` is Pipe
+                    continue
                 out |= self.symbol(sym) if sym is not None else (
                     {Ext(f"{v.qualname}.{attr}")} if isinstance(v, Ext) else {UNKNOWN})
             elif isinstance(v, Inst):

@@ -1,0 +1,187 @@
+"""What one root's analysis costs: the statements it walks (``Flow.work``) and the properties a loop
+head holds (``Flow.peak``, what each statement costs), on shapes real training scripts have. Both are
+counts, not timings: the same on every machine."""
+import os
+import textwrap
+from pathlib import Path
+
+from projectlib import check_project, write_project
+
+from synccheck.analyzer.parse import parse
+from synccheck.analyzer.project.index import Project
+from synccheck.analyzer.project.program import Program
+
+
+def _flows(root: Path, files: dict) -> dict:
+    """{root function name: its Flow} for the project written to ``root``."""
+    write_project(root, files)
+    project = Project(roots=[str(root)])
+    for name in files:
+        path = str(root / name)
+        text = Path(path).read_text()
+        tree, error = parse(text, path)
+        assert error is None, error
+        project.add(path, text, tree)
+    program = Program(project)
+    flows = {getattr(getattr(f.root, "node", None), "name", os.path.basename(getattr(f.root, "path", "")))
+             : f for f in program.flows()}
+    assert not program.incomplete
+    return flows
+
+
+def test_a_continue_inside_no_sync_leaves_it(tmp_path):
+    # the with's control ends at the continue: the boundary micro-step runs with sync on (this was
+    # an SC103 false alarm, the control left on for the next turn)
+    check_project(tmp_path, {"train.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def train(net, loader, optimizer, accum):
+            model = DDP(net)
+            for i, batch in enumerate(loader):
+                if (i + 1) % accum != 0:
+                    with model.no_sync():
+                        loss = model(batch).mean() / accum
+                        loss.backward()
+                        continue
+                loss = model(batch).mean() / accum
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    """})
+
+
+def test_a_return_inside_a_helpers_no_sync_leaves_it(tmp_path):
+    check_project(tmp_path, {"train.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def micro_step(model, batch, accum, last):
+            if not last:
+                with model.no_sync():
+                    loss = model(batch).mean() / accum
+                    loss.backward()
+                    return loss
+            loss = model(batch).mean() / accum
+            loss.backward()
+            return loss
+
+        def train(net, loader, optimizer, accum):
+            model = DDP(net)
+            for i, batch in enumerate(loader):
+                micro_step(model, batch, accum, (i + 1) % accum == 0)
+                if (i + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+
+
+def test_two_phases_that_leave_their_accumulate_by_continue_stay_small(tmp_path):
+    # a GAN script alternating phases, each under accelerator.accumulate, each of which may leave it
+    # by continue: every turn used to stack the controls once more (thousands of properties, minutes)
+    phases = "\n".join(f"""
+            if phase == "{k}":
+                with accelerator.accumulate(models[{k}]):
+                    loss = models[{k}](batch).mean()
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        if not loss.isfinite():
+                            optimizers[{k}].zero_grad()
+                            continue
+                        phase = "{k + 1}"
+                        optimizers[{k}].step()
+                        optimizers[{k}].zero_grad()""" for k in range(2))
+    flows = _flows(tmp_path, {"train.py": """
+        from accelerate import Accelerator
+
+        def main(nets, opts, loader):
+            accelerator = Accelerator(gradient_accumulation_steps=4)
+            models, optimizers = [], []
+            for net, opt in zip(nets, opts):
+                m, o = accelerator.prepare(net, opt)
+                models.append(m)
+                optimizers.append(o)
+            phase = "0"
+            for epoch in range(10):
+                for step, batch in enumerate(loader):
+PHASES
+    """.replace("PHASES", textwrap.indent(textwrap.dedent(phases), " " * 20))})
+    assert flows["main"].peak <= 64
+
+
+def test_loops_inside_a_model_do_not_multiply_the_state(tmp_path):
+    # a VAE's tiled encode: loops over tiles and blocks, analysed because the training loop's
+    # function calls it with the model; their first iterations are of no test's concern
+    flows = _flows(tmp_path, {"train.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def encode(model, x, tiles):
+            rows = []
+            for row in tiles:
+                cols = []
+                for col in row:
+                    for block in model.blocks:
+                        for layer in block:
+                            for part in layer:
+                                col = part(col)
+                    cols.append(model(col))
+                rows.append(cols)
+            return rows
+
+        def train(net, loader, optimizer, accum):
+            model = DDP(net)
+            for i, batch in enumerate(loader):
+                with model.no_sync():
+                    out = encode(model, batch, batch.tiles)
+                loss = out.mean() / accum
+                loss.backward()
+                if (i + 1) % accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """})
+    assert flows["train"].peak <= 16
+
+
+def test_a_dispatch_over_many_classes_is_not_walked(tmp_path):
+    # ``self.scheduler.step(...)`` where the scheduler may be any of a library's dozens: each
+    # override is long (and runs a backward of its own, as guided diffusion pipelines do); the
+    # training loop's analysis does not walk them all
+    long_body = "\n".join(f"        if x > {k}:\n            x = x - {k}" for k in range(40)) + "\n        x.backward()"
+    classes = "\n".join(f"class Sched{k}(Base):\n    def step(self, x):\n{long_body}\n        return x\n"
+                        for k in range(12))
+    flows = _flows(tmp_path, {"scheds.py": "class Base:\n    def step(self, x):\n        return x\n\n" + classes,
+                              "train.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import scheds
+
+MAKE
+
+        def train(net, loader, optimizer, accum, kind):
+            model = DDP(net)
+            sched = make(kind)
+            for i, batch in enumerate(loader):
+                loss = model(batch).mean() / accum
+                loss.backward()
+                if (i + 1) % accum == 0:
+                    sched.step(optimizer)
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """.replace("MAKE", "        def make(kind):\n" + "".join(
+        f"            if kind == {k}:\n                return scheds.Sched{k}()\n" for k in range(12)))})
+    assert flows["train"].work < 12 * 40
+
+
+def test_a_classmethod_factory_makes_the_class_it_was_called_on(tmp_path):
+    # ``FluxPipeline.from_pretrained(...)``: ``cls(...)`` in the base's classmethod is FluxPipeline,
+    # not each of the library's pipelines (whose ``__call__`` the training loop would then walk)
+    subclasses = "".join(f"class Pipe{k}(Base):\n    pass\n\n" for k in range(6))
+    write_project(tmp_path, {"pipes.py": "class Base:\n    @classmethod\n    def load(cls, path):\n"
+                                         "        return cls()\n\n" + subclasses,
+                             "train.py": "import pipes\n\ndef main():\n    pipe = pipes.Pipe3.load('x')\n"})
+    project = Project(roots=[str(tmp_path)])
+    for name in ("pipes.py", "train.py"):
+        path = str(tmp_path / name)
+        text = Path(path).read_text()
+        project.add(path, text, parse(text, path)[0])
+    program = Program(project)
+    main = next(f for m in project.modules() for f in m.functions.values() if f.node.name == "main")
+    made = program.values.expr(main.node.body[0].value, main)
+    assert {v.cls.node.name for v in made} == {"Pipe3"}
