@@ -62,6 +62,7 @@ class _RankChecker(RankTests):
         self.program = program
         self.values = program.values
         self._runs: dict = {}
+        self._attribute_stores: dict = {}    # class uid -> attribute -> [(value, method)] (rank_tests)
 
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
         for i, stmt in enumerate(stmts):

@@ -23,7 +23,7 @@ DISTRIBUTED_TEST = re.compile(r"distributed|is_initialized|is_dist|world_size|dd
 
 
 class RankTests:
-    """How _RankChecker reads rank tests."""
+    """How _RankChecker reads rank tests (it holds ``program``, ``values`` and ``_attribute_stores``)."""
 
     def sides(self, test, scope) -> tuple:
         """(ranks where the test holds, ranks where it does not): "main", "other" or None (no
@@ -127,16 +127,21 @@ class RankTests:
     def _stored_once(self, klass, attr: str):
         """``self.can_checkpoint = self.is_local_main if ... else self.is_main``: the one expression the
         class's methods store in the attribute, with the method that stores it; None otherwise."""
-        found = []
-        for method in klass.methods.values():
-            if not method.params:
-                continue
-            for node in ast.walk(method.node):
-                if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                    target = node.targets[0]
-                    if isinstance(target, ast.Attribute) and target.attr == attr and \
-                            isinstance(target.value, ast.Name) and target.value.id == method.params[0]:
-                        found.append((node.value, method))
+        table = self._attribute_stores.get(klass.uid)
+        if table is None:
+            # every ``self.x = ...`` of the class's methods, read once per class (a test class of
+            # thousands of lines is asked about many attributes)
+            table = self._attribute_stores[klass.uid] = {}
+            for method in klass.methods.values():
+                if not method.params:
+                    continue
+                for node in ast.walk(method.node):
+                    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                        target = node.targets[0]
+                        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and \
+                                target.value.id == method.params[0]:
+                            table.setdefault(target.attr, []).append((node.value, method))
+        found = table.get(attr, ())
         return found[0] if len(found) == 1 else None
 
     def _bound(self, name: ast.Name, scope) -> tuple:
