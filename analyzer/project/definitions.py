@@ -90,6 +90,7 @@ class Module:
         self.tree = tree
         self.text = text
         self.linted = linted
+        self.on_demand = False       # parsed only because the analysis needed it (index.Project.importers)
         self._lines = None
         self.info = None             # what its top level binds (values.py fills it on demand)
         self.imports: dict = {}      # local name -> (module, attribute or None, level)

@@ -176,7 +176,9 @@ class Project(Resolution):
             tree = ast.parse(text, path)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return None
-        return self.add(path, text, tree, linted=True)
+        module = self.add(path, text, tree, linted=True)
+        module.on_demand = True
+        return module
 
     # -- adding modules -----------------------------------------------------------------------------
     def add(self, path: str, text: str, tree: ast.Module, linted: bool = True) -> Module:
