@@ -119,6 +119,11 @@ class Conditions:
                 const = self.flow.constant(node.id, fr)
                 if const is not None:
                     return (TRUE, FALSE) if const else (FALSE, TRUE)
+        if t is ast.Attribute and type(node.value) is ast.Name:
+            # ``if self.at_boundary:`` through a property that returns a test (events._property_test)
+            value = self.flow.expr(node, st, fr)
+            if value.cond is not None:
+                return value.cond
         if t is ast.Call:
             value = self.flow.expr(node, st, fr)
             if value.cond is not None:

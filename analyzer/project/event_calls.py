@@ -321,6 +321,8 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
     words = flow.program.fn_words(fn)
     if words - _CALLS_ONLY:
         return True
+    if _returns_a_test(fn):
+        return True
     if "call" not in words:
         return False
     if fn.parent is not None:
@@ -329,6 +331,14 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
             return True
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+def _returns_a_test(fn: Function) -> bool:
+    """``def _is_boundary(self): return (self.micro_step + 1) % self.accum == 0``: a predicate whose
+    test the caller branches on (walked, it is a condition the step's gate is made of)."""
+    body = [s for s in fn.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(
+        body[0].value, (ast.Compare, ast.BoolOp, ast.UnaryOp))
 
 
 def _holds_callables(flow, inst: Inst) -> bool:

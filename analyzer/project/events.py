@@ -21,6 +21,7 @@ import ast
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.parse import dotted as _dotted
+from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal, origin_of
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Bag, Const, CtxFactory, Inst, Tup, site_of
@@ -95,6 +96,9 @@ def expr(flow, node, st, fr) -> EnvVal:
         receivers = recv.values
         if len(receivers) > 1 and _NONE in receivers:
             receivers = receivers - {_NONE}      # ``model=None`` by default: an attribute of it is another path's
+        test = _property_test(flow, node, receivers, st, fr)
+        if test is not None:
+            return test
         vals = flow.values.attribute(receivers, node.attr, node, fr.scope)
         if node.attr == "no_sync" and not any(isinstance(v, Inst) and flow.project.attribute(v.cls, "no_sync")
                                               is not None for v in recv.values):
@@ -233,6 +237,24 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
             st.env[dotted] = _versioned(value, version)
 
 
+def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
+    """``if self.at_boundary:`` through ``@property def at_boundary(self): return (self.step + 1) %
+    self.accum == 0``: the property's test, read as the caller's condition (event_calls.inline)."""
+    if len(receivers) != 1:
+        return None
+    (receiver,) = receivers
+    if not isinstance(receiver, Inst):
+        return None
+    method = flow.project.attribute(receiver.cls, node.attr)
+    if not (isinstance(method, Function) and method.is_property and _returns_a_test(method)):
+        return None
+    key = ("property call", id(node))
+    call = flow.memo.get(key)
+    if call is None:
+        call = flow.memo[key] = ast.copy_location(ast.Call(node, [], []), node)
+    return inline(flow, method, call, receiver, [], {}, st, fr)
+
+
 _COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict, ast.BinOp)
 
 
@@ -261,7 +283,7 @@ def _text(fr, node) -> str:
 # defined its own, so the parts may be imported in any order. Every name of the parts is
 # importable from here too, as it was before events.py was split.
 from synccheck.analyzer.project.event_calls import (_call_target, _factory_by_alts, _forward_by_alts, _freeze,
-                                                    _literal_default, call, inline)
+                                                    _literal_default, _returns_a_test, call, inline)
 from synccheck.analyzer.project.event_methods import (_COUNT_WORDS, _UNWEIGHTED, _external, _method, _name,
                                                       _native_scaler, _scale_call, _unknown, scales_by_count,
                                                       weighted)
