@@ -150,7 +150,10 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             return _val(frozenset((FlowCtx("unknown", built, site, _text(fr, node)),)))
         return _val(frozenset((FlowCtx("off", models, site, _text(fr, node)),)))
     if attr in ("no_sync", "accumulate") and "accelerate" in frameworks:
-        models = program.wrappers(args[0].values) if args else frozenset()
+        # ``accelerator.accumulate(generator, discriminator)``: every model named (no_sync takes one)
+        models = frozenset()
+        for a in (args if attr == "accumulate" else args[:1]):
+            models |= program.wrappers(a.values)
         effect = "managed" if attr == "accumulate" else "off"
         return _val(frozenset((FlowCtx(effect, models, site, _text(fr, node)),)))
     if attr == "accumulate" and any(isinstance(v, Accumulator) for v in vals):

@@ -190,7 +190,8 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
     # ``accelerator.sync_gradients`` holds: off the boundary the step is a no-op
     if unknown and not any(t.synced == "managed" for prop in st.props for t in prop.tokens):
         unknown = False         # no micro-step inside ``accumulate`` here: a plain step
-    managed = (bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)) or unknown
+    prepared = bool(optims) and all(isinstance(v, Optim) and v.managed for v in optims)
+    managed = prepared or unknown
     gate = _sync_gradients_atom(flow) if managed else None
     # stepping each of several optimizers in a loop is one step, in the loops around that loop
     loops = tuple(i for i in flow.loop_stack if i not in flow.optimizer_loops)
@@ -199,7 +200,12 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
     def transfer(prop, guard):
         flow.records.reached(site, guard)
         mine = [t for t in prop.tokens if models is None or t.model in models or t.model == PLAIN]
-        if gate is not None and any(t.synced == "managed" for t in mine):
+        # a prepared optimizer inside ``accelerator.accumulate(...)`` steps at the boundary only, for
+        # every model it holds: the context sets accelerate's one ``sync_gradients`` for them all,
+        # while it turns sync off only for the models it names (a GAN's ``accumulate(generator)``
+        # leaves the discriminator all-reducing on every micro-step)
+        inside = prepared and any(c.effect == "managed" for c in prop.controls) and not flow.accumulation_forbidden
+        if gate is not None and (inside or any(t.synced == "managed" for t in mine)):
             branches = ((guard & flow.atoms.formula(gate, True), True), (guard & flow.atoms.formula(gate, False), False))
         else:
             branches = ((guard, True),)
@@ -208,7 +214,7 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
                 continue
             kept = []
             for token in prop.tokens:
-                if token in mine and (taken or token.synced != "managed"):
+                if token in mine and (taken or (token.synced != "managed" and not inside)):
                     # a step in a loop the backward is not in (a later training phase) is no boundary of it
                     kind = "stepped" if loops == token.loops[:len(loops)] else "elsewhere"
                     flow.records.resolve(token, kind, site, g)

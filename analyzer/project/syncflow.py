@@ -38,6 +38,7 @@ from synccheck.analyzer.project.program import lightning_manual_step
 from synccheck.analyzer.project.loops import MAX_LOOP_ROUNDS, LoopCtx, LoopInfo, Loops, _int, _loop_head, _steps_each
 
 _SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync")
+_DISTRIBUTED_WORDS = re.compile(r"num_processes|world_size|distributed|multi_gpu|n_gpu|num_gpus")
 
 MAX_DEPTH = 8
 MAX_WORK = 60_000          # statements executed per root, inlined calls included
@@ -83,6 +84,27 @@ class Flow(Loops):
             store.clear()
         self.records = self.conds = self.program = self.values = self.project = None
         self.__dict__.pop("_populations", None)
+
+    @property
+    def accumulation_forbidden(self) -> bool:
+        """Does the root refuse to run, up front, some configuration of distributed accumulation?
+        ``if args.train_text_encoder and args.gradient_accumulation_steps > 1 and
+        accelerator.num_processes > 1: raise ValueError(...)`` (diffusers' dreambooth scripts): the
+        second model that ``accelerator.accumulate(unet)`` leaves syncing never accumulates."""
+        found = self.__dict__.get("_forbidden")
+        if found is None:
+            root = self.root
+            body = root.node.body if isinstance(root, Function) else root.tree.body
+            module = root.module if isinstance(root, Function) else root
+            found = False
+            for stmt in body:
+                if isinstance(stmt, ast.If) and stmt.body and isinstance(stmt.body[-1], ast.Raise):
+                    test = module.segment(stmt.test) or ""
+                    if "accum" in test and _DISTRIBUTED_WORDS.search(test):
+                        found = True
+                        break
+            self.__dict__["_forbidden"] = found
+        return found
 
     # -- running ---------------------------------------------------------------------------------------
     def run(self) -> "Flow":
