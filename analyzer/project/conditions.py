@@ -183,14 +183,22 @@ class Conditions:
                 # several names (a parameter, ``accum = self.accum``, a dict's entry) is one atom
                 base, modulus, residue = mod[3]
                 counted = (self._canonical(base, st), self._canonical(modulus, st))
+                shift = 0
                 if counted[0][0] == "shift":
                     # ``step += 1`` since: ``step % n == r`` is ``(step_before + 1) % n == r``
-                    residue -= counted[0][2]
+                    shift = counted[0][2]
+                    residue -= shift
                     counted = (counted[0][1], counted[1])
                 if isinstance(modulus, ast.Constant) and type(modulus.value) is int and modulus.value > 0:
                     residue %= modulus.value        # ``% 4 == 3`` and ``(i + 1) % 4 == 0`` are one test
                 key = ("MOD", counted, residue)
                 atom = self.atoms.get(key, text, (counted[0], counted[1], residue))
+                if atom is not None and shift and not atom.after and atom.text == text and \
+                        isinstance(base, (ast.Name, ast.Attribute)):
+                    # the same words before and after ``step += 1`` are two tests: said so
+                    atom.after = f" (after `{ast.unparse(base)} += {shift}`)" if shift > 0 else \
+                        f" (after `{ast.unparse(base)} -= {-shift}`)"
+
             else:
                 stable = self._stable(names, st) if fr.depth and not changes else None
                 if stable is not None:

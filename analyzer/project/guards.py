@@ -63,7 +63,7 @@ def assignments(formula: int):
 
 
 class Atom:
-    __slots__ = ("index", "key", "text", "mod", "loop", "counter", "negated", "first")
+    __slots__ = ("index", "key", "text", "mod", "loop", "counter", "negated", "first", "after")
 
     def __init__(self, index: int, key, text: str, mod=None) -> None:
         self.index = index
@@ -74,14 +74,15 @@ class Atom:
         self.counter = None       # the loop whose counter a mod form reads (first-iteration values)
         self.negated = None       # the text of the code's own negation (``i % n != 0``), if it wrote one
         self.first = None         # (loop, holds on its first iteration) for ``i == 0`` on the loop's counter
+        self.after = ""           # `` (after `step += 1`)``: a test of a count moved on since its other tests
 
     def says(self, value: bool) -> str:
         """A true statement about this atom's value, in the code's own words where it has them."""
         if self.loop is not None:
             return f"on {self.text}" if value else f"before {self.text}"
         if not value and self.negated:
-            return f"`{self.negated}` is true"
-        return f"`{self.text}` is {'true' if value else 'false'}"
+            return f"`{self.negated}` is true{self.after}"
+        return f"`{self.text}` is {'true' if value else 'false'}{self.after}"
 
 
 class Atoms:

@@ -149,6 +149,12 @@ class Loops:
         first = self.program.mentions_static_graph or info.counter is not None and info.start is not None and bool(
             self.program.words(s.body, fr.scope) - _NO_EVENT)
         entry = St(_with_first(st.props.items(), info.id, True) if first else st.props, dict(st.env))
+        # a name the loop rebinds is one definition at its head (SSA's phi), the first turn included:
+        # ``micro % n == 0`` is then one test on every turn, and in every turn of a loop around it
+        rebound = self._rebound(info)
+        for name, value in entry.env.items():
+            if name in rebound and value.version != ("phi", info.id):
+                entry.env[name] = value._replace(version=("phi", info.id))
         head = entry
         end = None
         for _ in range(MAX_LOOP_ROUNDS):
