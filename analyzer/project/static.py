@@ -42,6 +42,12 @@ def no_sync_on_unwrapped(program) -> list:
         else:
             target_node = call.func.value
         target = values.expr(target_node, scope)
+        inner = [v for v in target if isinstance(v, Inner)]
+        if inner and _unwrapped_alias(values, scope, target_node):
+            # ``raw_model = model.module if ddp else model``: wherever a wrapper exists, the alias is
+            # the module inside it (the other side is the run with no wrapper at all)
+            out.append(Unwrapped(module, call, _text(module, call), _binding(program, inner[0].wrapper), "module"))
+            continue
         if program.wrappers(target):
             continue
         holder = _holds_wrapper(program, scope, target_node) if call.args else None
@@ -67,6 +73,31 @@ def no_sync_on_unwrapped(program) -> list:
         if wrapped:
             out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
     return out
+
+
+def _unwrapped_alias(values, scope, target) -> bool:
+    """Is the name bound, only, to the module inside a wrapper when there is one:
+    ``m.module if ddp else m``, ``m if not ddp else m.module``, ``getattr(m, "module", m)``?"""
+    if not isinstance(target, ast.Name):
+        return False
+    bindings = values.info(scope).assigns.get(target.id, ())
+    if not bindings:
+        return False
+    for value, path in bindings:
+        if path:
+            return False
+        if isinstance(value, ast.IfExp):
+            sides = (value.body, value.orelse)
+            if not any(isinstance(a, ast.Attribute) and a.attr == "module" and ast.dump(a.value) == ast.dump(b)
+                       for a, b in (sides, sides[::-1])):
+                return False
+        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "getattr" and \
+                len(value.args) == 3 and isinstance(value.args[1], ast.Constant) and value.args[1].value == "module":
+            if ast.dump(value.args[0]) != ast.dump(value.args[2]):
+                return False
+        else:
+            return False
+    return True
 
 
 def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
