@@ -12,8 +12,8 @@ from synccheck.analyzer.project.index import Project
 from synccheck.analyzer.project.program import Program
 
 
-def _flows(root: Path, files: dict) -> dict:
-    """{root function name: its Flow} for the project written to ``root``."""
+def _program(root: Path, files: dict) -> Program:
+    """The whole-program model of the project written to ``root``, every file parsed."""
     write_project(root, files)
     project = Project(roots=[str(root)])
     for name in files:
@@ -22,7 +22,12 @@ def _flows(root: Path, files: dict) -> dict:
         tree, error = parse(text, path)
         assert error is None, error
         project.add(path, text, tree)
-    program = Program(project)
+    return Program(project)
+
+
+def _flows(root: Path, files: dict) -> dict:
+    """{root function name: its Flow} for the project written to ``root``."""
+    program = _program(root, files)
     flows = {getattr(getattr(f.root, "node", None), "name", os.path.basename(getattr(f.root, "path", "")))
              : f for f in program.flows()}
     assert not program.incomplete
@@ -173,15 +178,9 @@ def test_a_classmethod_factory_makes_the_class_it_was_called_on(tmp_path):
     # ``FluxPipeline.from_pretrained(...)``: ``cls(...)`` in the base's classmethod is FluxPipeline,
     # not each of the library's pipelines (whose ``__call__`` the training loop would then walk)
     subclasses = "".join(f"class Pipe{k}(Base):\n    pass\n\n" for k in range(6))
-    write_project(tmp_path, {"pipes.py": "class Base:\n    @classmethod\n    def load(cls, path):\n"
-                                         "        return cls()\n\n" + subclasses,
-                             "train.py": "import pipes\n\ndef main():\n    pipe = pipes.Pipe3.load('x')\n"})
-    project = Project(roots=[str(tmp_path)])
-    for name in ("pipes.py", "train.py"):
-        path = str(tmp_path / name)
-        text = Path(path).read_text()
-        project.add(path, text, parse(text, path)[0])
-    program = Program(project)
-    main = next(f for m in project.modules() for f in m.functions.values() if f.node.name == "main")
+    program = _program(tmp_path, {"pipes.py": "class Base:\n    @classmethod\n    def load(cls, path):\n"
+                                              "        return cls()\n\n" + subclasses,
+                                  "train.py": "import pipes\n\ndef main():\n    pipe = pipes.Pipe3.load('x')\n"})
+    main = next(f for m in program.project.modules() for f in m.functions.values() if f.node.name == "main")
     made = program.values.expr(main.node.body[0].value, main)
     assert {v.cls.node.name for v in made} == {"Pipe3"}

@@ -1,6 +1,6 @@
 """Facts that need the project's values but not the sync dataflow.
 
-* sync controls called on the module inside a wrapper, not the wrapper (SC104);
+* sync controls called on the module inside a wrapper, not the wrapper (SC104): in unwrapped.py;
 * ``accelerator.accumulate`` on an Accelerator never told how many steps to accumulate (SC105);
 * collectives that only some ranks reach (SC301): in rank_branches.py;
 * ``DistributedSampler`` objects whose ``set_epoch`` is never called (SC302).
@@ -9,162 +9,13 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
-from synccheck.analyzer.project import vocabulary as vocab
-
-from synccheck.analyzer.project.values import Ext, Framework, Inner, Inst, Loader, Obj, Sampler, Unknown, Wrapper
+from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
-
-class Unwrapped(NamedTuple):
-    module: object
-    node: object
-    how: str
-    wrapper_text: str
-    kind: str        # "module" (wrapper.module) | "original"
-
-
-def no_sync_on_unwrapped(program) -> list:
-    values = program.values
-    out = []
-    wrapping = program.wrapping()
-    calls = values.calls("no_sync", load=True) + values.calls("no_backward_sync", load=True) + \
-        values.calls("accumulate")
-    for scope, call in calls:
-        module = values.module_of(scope)
-        if not module.linted or not isinstance(call.func, ast.Attribute):
-            continue
-        receiver = values.expr(call.func.value, scope)
-        if call.args:
-            if not any(isinstance(v, Framework) for v in receiver):
-                continue
-            target_node = call.args[0]
-        else:
-            target_node = call.func.value
-        target = values.expr(target_node, scope)
-        inner = [v for v in target if isinstance(v, Inner)]
-        if inner and _unwrapped_alias(values, scope, target_node):
-            # ``raw_model = model.module if ddp else model``: wherever a wrapper exists, the alias is
-            # the module inside it (the other side is the run with no wrapper at all)
-            out.append(Unwrapped(module, call, _text(module, call), _binding(program, inner[0].wrapper), "module"))
-            continue
-        if program.wrappers(target):
-            continue
-        holder = _holds_wrapper(program, scope, target_node) if call.args else None
-        if holder is not None:
-            # ``model = Denoiser(prepared)``; ``accelerator.accumulate(model)``: the object named holds
-            # the wrapper but is not it, so accelerate finds no no_sync on it
-            out.append(Unwrapped(module, call, _text(module, call), _binding(program, holder), "outer"))
-            continue
-        # something we cannot see may be the wrapper, unless what we do see is a module known to
-        # have been wrapped elsewhere (``training_models[0]`` holding the module before prepare())
-        if any(isinstance(v, Unknown) for v in target) and \
-                not any(isinstance(v, (Obj, Inst)) and wrapping.get(v) for v in target):
-            continue
-        if call.args and _forwards_through(scope, call, target_node):
-            # the whole step uses the unprepared object (a sloppy example, not a half-wrapped loop)
-            continue
-        how = _text(module, call)
-        inner = [v for v in target if isinstance(v, Inner)]
-        if inner:
-            out.append(Unwrapped(module, call, how, _binding(program, inner[0].wrapper), "module"))
-            continue
-        wrapped = [w for v in target if isinstance(v, (Obj, Inst)) for w in wrapping.get(v, ())]
-        if wrapped:
-            out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
-    return out
-
-
-def _unwrapped_alias(values, scope, target) -> bool:
-    """Is the name bound, only, to the module inside a wrapper when there is one:
-    ``m.module if ddp else m``, ``m if not ddp else m.module``, ``getattr(m, "module", m)``?"""
-    if not isinstance(target, ast.Name):
-        return False
-    bindings = values.info(scope).assigns.get(target.id, ())
-    if not bindings:
-        return False
-    for value, path in bindings:
-        if path:
-            return False
-        if isinstance(value, ast.IfExp):
-            sides = (value.body, value.orelse)
-            if not any(isinstance(a, ast.Attribute) and a.attr == "module" and ast.dump(a.value) == ast.dump(b)
-                       for a, b in (sides, sides[::-1])):
-                return False
-        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "getattr" and \
-                len(value.args) == 3 and isinstance(value.args[1], ast.Constant) and value.args[1].value == "module":
-            if ast.dump(value.args[0]) != ast.dump(value.args[2]):
-                return False
-        else:
-            return False
-    return True
-
-
-def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
-    """The wrapper a plain object was built around (``model = Denoiser(ddp_model)``,
-    ``model = make_wrapper(cfg)(ddp_model)``), when the name is bound only to such calls."""
-    if not isinstance(target, ast.Name):
-        return None
-    values = program.values
-    bindings = values.info(scope).assigns.get(target.id, ())
-    found = None
-    for value, path in bindings:
-        if path or not isinstance(value, ast.Call) or _is_wrapping_call(value):
-            return None
-        held = None
-        for arg in list(value.args) + [k.value for k in value.keywords]:
-            wrappers = program.wrappers(values.expr(arg, scope))
-            if wrappers:
-                held = sorted(wrappers, key=repr)[0]
-        if held is None:
-            return None
-        found = held
-    return found
-
-
-def _is_wrapping_call(call: ast.Call) -> bool:
-    """A call that returns the wrapper itself (or the model moved, compiled or unwrapped): not an outer
-    object."""
-    from synccheck.analyzer.project.program import WRAP_CALLS
-
-    func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-    return name in WRAP_CALLS or name in vocab.SELF_RETURNING or name in ("compile", "unwrap_model")
-
-
-def _forwards_through(scope, ctx_call, target) -> bool:
-    """Does the ``with`` that enters ``ctx_call`` run a forward through ``target`` itself?"""
-    tree = getattr(scope, "node", None) or getattr(scope, "tree", None)
-    if tree is None:
-        return False
-    wanted = ast.dump(target)
-    for node in walk(tree):
-        if isinstance(node, (ast.With, ast.AsyncWith)) and any(i.context_expr is ctx_call for i in node.items):
-            return any(isinstance(sub, ast.Call) and ast.dump(sub.func) == wanted
-                       for stmt in node.body for sub in walk(stmt))
-    return False
-
-
-def _binding(program, wrapper: Wrapper) -> str:
-    """The name a wrapper was bound to where it was made (``ddp_model``), for messages."""
-    path, line, col = wrapper.site[:3]
-    module = program.project.by_path.get(path) or next((m for m in program.project.modules() if m.path == path), None)
-    if module is None:
-        return "the wrapper"
-    for node in walk(module.tree):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(node, "value", None) is not None:
-            for sub in walk(node.value):
-                if isinstance(sub, ast.Call) and sub.lineno == line and sub.col_offset == col:
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    target = targets[0]
-                    index = wrapper.site[3] if len(wrapper.site) > 3 and isinstance(wrapper.site[3], int) else None
-                    if isinstance(target, (ast.Tuple, ast.List)) and index is not None and index < len(target.elts):
-                        target = target.elts[index]
-                    elif isinstance(target, ast.Name) and index is not None and sub.args and \
-                            any(isinstance(a, ast.Starred) for a in sub.args):
-                        return f"{target.id}[{index}]"      # prepared = accelerator.prepare(*parts)
-                    return ast.unparse(target)
-    return "the wrapper"
+# SC104's facts live in unwrapped.py; their names stay importable from here
+from synccheck.analyzer.project.unwrapped import (Unwrapped, _binding, _forwards_through, _holds_wrapper,  # noqa: F401
+                                                  _is_wrapping_call, _text, _unwrapped_alias, no_sync_on_unwrapped)
 
 
 class UnconfiguredAccumulate(NamedTuple):
@@ -311,13 +162,6 @@ def _assigned_name(module, call) -> str:
         if isinstance(node, ast.Assign) and node.value is call:
             return ast.unparse(node.targets[0])
     return "the sampler"
-
-
-# ---------------------------------------------------------------------------------------------------
-# SC301
-
-def _text(module, node) -> str:
-    return (module.segment(node) or ast.unparse(node)).strip()
 
 
 
