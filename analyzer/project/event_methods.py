@@ -10,8 +10,10 @@ library functions that are events (``torch.autograd.backward``, ``torch.distribu
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
+from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Const, Ext, Framework, Inner, Inst, Obj,
@@ -106,9 +108,10 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             backward(flow, node, args[0], "optimizer.backward", st, fr)
             return NONE_VAL
         how = "scaler.scale(loss).backward" if _scale_call(node.func.value) else "loss.backward"
-        if (args or kws.get("gradient") is not None) and recv.scaled is not True:
+        if (args or kws.get("gradient") is not None or _surrogate(flow, node.func.value, fr)) and \
+                recv.scaled is not True:
             # ``reps.backward(grad)``: not a loss but an output and the gradient to give it (GradCache);
-            # whatever scaling there is, is in that gradient
+            # whatever scaling there is, is in that gradient. So for ``torch.dot(reps, grad).backward()``
             recv = recv._replace(scaled=None)
         backward(flow, node, recv, how, st, fr)
         return NONE_VAL
@@ -225,6 +228,31 @@ def scales_by_count(factor) -> bool:
 
 
 _UNWEIGHTED = object()
+
+
+_GRAD_NAME = re.compile(r"(?:^|[._])(?:\w+_)?grads?$")     # grad, q_grads, reps.grad (not grad_accum)
+_PRODUCTS = ("dot", "vdot", "inner", "mul", "einsum", "tensordot")
+
+
+def _surrogate(flow, node, fr, depth: int = 0) -> bool:
+    """``torch.dot(reps.flatten(), grad.flatten())``, ``(reps * cached_grads).sum()``: a product with a
+    gradient kept from an earlier backward (GradCache's surrogate), not a loss; followed through the
+    function's own assignments to the name that is differentiated."""
+    if isinstance(node, ast.Name) and depth < 3:
+        scope = fr.scope
+        assigns = flow.values.info(scope).assigns.get(node.id, ()) if hasattr(scope, "node") else ()
+        return any(not path and _surrogate(flow, value, fr, depth + 1) for value, path in assigns)
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Mult):
+            operands = (sub.left, sub.right)
+        elif isinstance(sub, ast.Call) and _name(sub.func) in _PRODUCTS:
+            operands = tuple(sub.args)
+        else:
+            continue
+        if any(_GRAD_NAME.search(_dotted(o) or "") for a in operands for o in ast.walk(a)
+               if isinstance(o, (ast.Name, ast.Attribute))):
+            return True
+    return False
 
 
 def weighted(loss, factor, factor_node):
