@@ -282,6 +282,10 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
             return hit[1]
     from synccheck.analyzer.project.syncflow import Frame, St
     frame = Frame(fn, fr.depth + 1, fr.stack + (fn.uid,), fr.no_grad)
+    if fn.parent is not None and fn.parent is fr.scope:
+        # a closure called where it is defined sees the caller's loop counters: ``i < len(samples)``
+        # in fairseq's ``maybe_no_sync()`` is a test of the enclosing ``for i, sample in ...``
+        frame.loops = list(fr.loops)
     frame.yield_handler = yield_handler
     # a flag a @contextmanager helper writes is the caller's ``with helper(...)``: reported there
     frame.control = control or fr.control

@@ -206,7 +206,7 @@ class Flow(Loops):
     # -- branches ----------------------------------------------------------------------------------------
     def if_(self, s: ast.If, st: St, fr: Frame):
         relevant = self.program.relevant_branch(s, fr)
-        true, false = self.conds.cond(s.test, st, fr, relevant)
+        true, false = self.conds.cond(self._without_switches(s, fr), st, fr, relevant)
         gate = relevant and self.program.decides_step(s, fr)
         if gate and fr.gate:
             # a check inside the branch that steps (``if torch.isfinite(norm): optimizer.step()``) may
@@ -234,6 +234,24 @@ class Flow(Loops):
         fr.gate = outer_gate
         exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
         return self.join([body, orelse], (true, false) if exact else None)
+
+    def _without_switches(self, s: ast.If, fr: Frame):
+        """``if world_size > 1 and hasattr(model, "no_sync") and i < n - 1: return model.no_sync()``:
+        the conjuncts that only say whether training is distributed hold wherever a sync control can
+        matter; the test that is left is the one that picks the micro-steps."""
+        test = s.test
+        if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And)):
+            return test
+        key = ("switchless", id(s))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not s:
+            kept = [v for v in test.values if not (distributed_switch(v) or _asks_for_no_sync(v))]
+            new = test
+            if kept and len(kept) < len(test.values) and any(
+                    _SYNC_TEXT.search(fr.module.segment(b) or "") for b in s.body):
+                new = kept[0] if len(kept) == 1 else ast.copy_location(ast.BoolOp(ast.And(), kept), test)
+            hit = self.memo[key] = (s, new)
+        return hit[1]
 
     def try_(self, s, st: St, fr: Frame):
         entry = st.copy()
@@ -359,6 +377,12 @@ class Flow(Loops):
             if isinstance(v, Const) and isinstance(v.value, (int, bool)):
                 return v.value
         return None
+
+
+def _asks_for_no_sync(node) -> bool:
+    """``hasattr(self.model, "no_sync")``: true exactly when the model is a DDP wrapper."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr" and \
+        len(node.args) == 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "no_sync"
 
 
 def _lightning_loop(fn) -> ast.For:
