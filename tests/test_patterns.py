@@ -49,3 +49,25 @@ def test_real_world_pattern(tmp_path, folder):
 def test_every_known_gap_is_a_folder():
     names = {p.name for p in PATTERNS.iterdir()}
     assert set(KNOWN_GAPS) <= names
+
+
+def test_a_model_left_out_of_accumulate_is_told_to_join_it(tmp_path):
+    # pattern 51: the fix names the context to widen; an accelerate loop with no accumulate() at all
+    # keeps the general advice (use accumulate)
+    from synccheck.analyzer.engine import lint
+
+    root = tmp_path / "project"
+    shutil.copytree(PATTERNS / "51_accumulate_names_one_model_of_two", root)
+    (root / "manual.py").write_text(
+        "from accelerate import Accelerator\n\n"
+        "def train(model, opt, loader, n):\n"
+        "    accelerator = Accelerator()\n"
+        "    model, opt, loader = accelerator.prepare(model, opt, loader)\n"
+        "    for i, batch in enumerate(loader):\n"
+        "        accelerator.backward(model(batch).mean() / n)\n"
+        "        if (i + 1) % n == 0:\n"
+        "            opt.step()\n"
+        "            opt.zero_grad()\n")
+    fixes = {Path(f.path).name: f.fix for f in lint([str(root)], jobs=1).findings if f.code == "SC101"}
+    assert "accelerator.accumulate(generator, discriminator)" in fixes["gan.py"]
+    assert "accelerator.accumulate(model)" in fixes["manual.py"] and "several models" not in fixes["manual.py"]

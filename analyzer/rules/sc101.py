@@ -2,6 +2,10 @@ from synccheck.analyzer.rules.base import Rule
 
 FIX = ("run the forward and backward of every micro-step but the last inside `model.no_sync()` "
        "(or use `synccheck.runtime.GradientAccumulator`, or `accelerator.accumulate(model)`)")
+# a model accelerate prepared, stepped inside an ``accumulate()`` that does not name it (a GAN's
+# ``accumulate(generator)`` with the discriminator trained beside it)
+FIX_PREPARED = ("name {name} in the accumulate context too: `accelerator.accumulate(...)` takes several models "
+                "(`accelerator.accumulate(generator, discriminator)`)")
 
 
 class SyncEveryMicrostep(Rule):
@@ -162,5 +166,23 @@ class SyncEveryMicrostep(Rule):
                 else:
                     msg = (f"{name} {noun} gradients on every micro-step of this accumulation loop, though "
                            f"the optimizer steps only every few: N-1 of every N {noun} are wasted")
+                if getattr(model, "kind", "") == "accelerate" and _inside_accumulate(module, node):
+                    ctx.report(self, module, node, msg, FIX_PREPARED.format(name=name),
+                               autofix=lambda: {"reason": "which accumulate() context to widen is for you to decide"})
+                    continue
                 ctx.report(self, module, node, msg, FIX,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))
+
+
+def _inside_accumulate(module, node) -> bool:
+    """Is the reported line inside a ``with accelerator.accumulate(...):`` (that does not name the model)?"""
+    import ast
+
+    if module is None or node is None:
+        return False
+    for w in ast.walk(module.tree):
+        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno) and any(
+                isinstance(i.context_expr, ast.Call) and isinstance(i.context_expr.func, ast.Attribute) and
+                i.context_expr.func.attr == "accumulate" for i in w.items):
+            return True
+    return False
