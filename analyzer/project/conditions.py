@@ -198,7 +198,6 @@ class Conditions:
                     # the same words before and after ``step += 1`` are two tests: said so
                     atom.after = f" (after `{ast.unparse(base)} += {shift}`)" if shift > 0 else \
                         f" (after `{ast.unparse(base)} -= {-shift}`)"
-
             else:
                 stable = self._stable(names, st) if fr.depth and not changes else None
                 if stable is not None:

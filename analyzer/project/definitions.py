@@ -47,6 +47,15 @@ class Function:
                                             for d in self.node.decorator_list)
 
     @property
+    def only_return(self):
+        """The expression a function only returns (its body, past docstrings, is one ``return <expr>``:
+        an accessor or a predicate); None otherwise."""
+        body = [s for s in self.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if len(body) == 1 and isinstance(body[0], ast.Return):
+            return body[0].value
+        return None
+
+    @property
     def abstract(self) -> bool:
         """A hook for subclasses to fill: its body (past a docstring) only raises NotImplementedError
         (``def compute_forward(self, batch): raise NotImplementedError``). What a call runs is the
@@ -104,6 +113,11 @@ class Module:
 
     def __repr__(self) -> str:
         return f"<Module {self.name} {self.path}>"
+
+    def script_body(self) -> list:
+        """The top level's statements, not the functions and classes it defines: what running the
+        file as a script executes."""
+        return [s for s in self.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
 
     def segment(self, node) -> str:
         """The source text of a node (ast.get_source_segment splits the whole file at every call)."""

@@ -124,15 +124,20 @@ def _held_models(flow, inst: Inst) -> frozenset:
     key = ("held", inst.cls.uid)
     if key not in flow.memo:
         flow.memo[key] = frozenset()        # a cycle through the attributes reads as none
-        attrs = set()
-        for klass in flow.project.mro(inst.cls):
-            attrs.update(_class_attrs(flow.values, klass))
         models = set()
-        for attr in sorted(attrs):
-            vals = flow.values.instance_attribute(inst, attr)
+        for vals in _attribute_values(flow, inst):
             models |= flow.program.wrappers(vals | flow.values.elements(vals, values_of_dict=True))
         flow.memo[key] = frozenset(models)
     return flow.memo[key]
+
+
+def _attribute_values(flow, inst: Inst):
+    """The values of each attribute an instance has, whatever class of its MRO stores it."""
+    attrs = set()
+    for klass in flow.project.mro(inst.cls):
+        attrs.update(_class_attrs(flow.values, klass))
+    for attr in sorted(attrs):
+        yield flow.values.instance_attribute(inst, attr)
 
 
 def _opaque_object(callee) -> bool:
@@ -312,7 +317,6 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     return result
 
 
-_CALLS_ONLY = frozenset(("call", "exit", "wrap"))
 _CALLABLE = (Func, Bound, Cls, Inst, Inner, Obj)
 
 
@@ -323,7 +327,7 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
     or callables). A library function that only calls its own objects (a pipeline's ``__call__``, a
     VAE's tiled encode) cannot: its body is not walked, what it returns is read from its returns."""
     words = flow.program.fn_words(fn)
-    if words - _CALLS_ONLY:
+    if words - flow.program.CALLS_ONLY:
         return True
     if _returns_a_test(fn):
         return True
@@ -340,9 +344,7 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
 def _returns_a_test(fn: Function) -> bool:
     """``def _is_boundary(self): return (self.micro_step + 1) % self.accum == 0``: a predicate whose
     test the caller branches on (walked, it is a condition the step's gate is made of)."""
-    body = [s for s in fn.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-    return len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(
-        body[0].value, (ast.Compare, ast.BoolOp, ast.UnaryOp))
+    return isinstance(fn.only_return, (ast.Compare, ast.BoolOp, ast.UnaryOp))
 
 
 def _holds_callables(flow, inst: Inst) -> bool:
@@ -353,11 +355,7 @@ def _holds_callables(flow, inst: Inst) -> bool:
         flow.memo[key] = True               # (a cycle through the attributes reads as holding one)
         found = bool(_held_models(flow, inst))
         if not found:
-            attrs = set()
-            for klass in flow.project.mro(inst.cls):
-                attrs.update(_class_attrs(flow.values, klass))
-            for attr in sorted(attrs):
-                vals = flow.values.instance_attribute(inst, attr)
+            for vals in _attribute_values(flow, inst):
                 if any(isinstance(v, (Func, Bound, Inner, FlowPartial)) or isinstance(v, Inst) and
                        _runs_events(flow, v) for v in vals):
                     found = True
@@ -371,7 +369,7 @@ def _runs_events(flow, inst: Inst) -> bool:
     for name in ("__call__", "forward"):
         method = flow.project.attribute(inst.cls, name)
         if isinstance(method, Function):
-            return bool(flow.program.fn_words(method) - _CALLS_ONLY)
+            return bool(flow.program.fn_words(method) - flow.program.CALLS_ONLY)
     return False
 
 

@@ -21,7 +21,6 @@ from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.traversal import walk
 
 MAX_LOOP_ROUNDS = 6
-_NO_EVENT = frozenset(("call", "exit", "wrap"))
 
 
 class LoopInfo:
@@ -147,7 +146,7 @@ class Loops:
         # in a loop that runs an event (``micro_step == 0``, ``i % n``), or DDP's static_graph (SC106);
         # other loops (a model's ``for block in self.blocks``) would only multiply the properties
         first = self.program.mentions_static_graph or info.counter is not None and info.start is not None and bool(
-            self.program.words(s.body, fr.scope) - _NO_EVENT)
+            self.program.words(s.body, fr.scope) - self.program.CALLS_ONLY)
         entry = St(_with_first(st.props.items(), info.id, True) if first else st.props, dict(st.env))
         # a name the loop rebinds is one definition at its head (SSA's phi), the first turn included:
         # ``micro % n == 0`` is then one test on every turn, and in every turn of a loop around it

@@ -148,9 +148,8 @@ def _one_stepper(flow) -> bool:
     steps two (``opt_g.step()``, ``opt_d.step()``)."""
     key = ("one stepper",)
     if key not in flow.memo:
-        root = flow.root
         names = set()
-        for n in walk(root.node if hasattr(root, "node") else root.tree):
+        for n in walk(flow.root_node):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step":
                 target = n.args[0] if n.args and _name(n.func.value).endswith("scaler") else n.func.value
                 name = _name(target)

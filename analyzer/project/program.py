@@ -134,8 +134,7 @@ class Program(WrappedModels):
                             _loops(fn.node.body) and (stepper := sibling_step(self, fn)) is not None:
                         self.then_call[fn.uid] = stepper
                         out.append(fn)
-                top = [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                           ast.ClassDef))]
+                top = module.script_body()
                 loops = _loops(top)
                 if loops and self._loop_reaches_backward(top, module, loops):
                     out.append(module)
@@ -304,6 +303,9 @@ class Program(WrappedModels):
                         todo.extend(value for value, _ in info.assigns.get(node.id, ()))
             self._words[key] = found
         return self._words[key]
+
+    # words that are no event by themselves: a call of a value (maybe a model), a way out, a wrapper made
+    CALLS_ONLY = frozenset(("call", "exit", "wrap"))
 
     def has_events(self, fn: Function) -> bool:
         """Worth analysing in place: it may run an event, or call a model held in a value."""

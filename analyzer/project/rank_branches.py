@@ -33,8 +33,7 @@ def collectives_in_rank_branches(program) -> list:
             continue
         scopes = [module] + list(module.functions.values())
         for scope in scopes:
-            body = scope.node.body if isinstance(scope, Function) else \
-                [s for s in module.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+            body = scope.node.body if isinstance(scope, Function) else module.script_body()
             found: list = []
             checker.walk(body, None, None, scope, found)
             out.extend(_unbalanced(module, found))

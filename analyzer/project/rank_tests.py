@@ -119,10 +119,8 @@ class RankTests:
         method = self.program.project.attribute(scope.cls, node.attr)
         if not isinstance(method, Function):
             return self._stored_once(scope.cls, node.attr)
-        body = [s for s in method.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-        if len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None:
-            return body[0].value, method
-        return None
+        returned = method.only_return
+        return (returned, method) if returned is not None else None
 
     def _stored_once(self, klass, attr: str):
         """``self.can_checkpoint = self.is_local_main if ... else self.is_main``: the one expression the

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import cached_property
 from itertools import islice
 from typing import Optional
 
@@ -53,10 +54,13 @@ class Flow(Loops):
         self.values = program.values
         self.project = program.project
         self.root = root
+        # the root's module and its syntax tree (a function's, or a script's whole module)
+        self.root_module = root.module if isinstance(root, Function) else root
+        self.root_node = root.node if isinstance(root, Function) else root.tree
         self.atoms = Atoms()
         # accelerate's boundary test gets its atom first: a loop with many tests of its own may
         # fill the table before its prepared optimizer steps
-        if ".accumulate(" in (root.module if isinstance(root, Function) else root).text:
+        if ".accumulate(" in self.root_module.text:
             self.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
         self.conds = Conditions(self)
         self.records = Records(self)
@@ -85,32 +89,24 @@ class Flow(Loops):
         self.records = self.conds = self.program = self.values = self.project = None
         self.__dict__.pop("_populations", None)
 
-    @property
+    @cached_property
     def accumulation_forbidden(self) -> bool:
         """Does the root refuse to run, up front, some configuration of distributed accumulation?
         ``if args.train_text_encoder and args.gradient_accumulation_steps > 1 and
         accelerator.num_processes > 1: raise ValueError(...)`` (diffusers' dreambooth scripts): the
         second model that ``accelerator.accumulate(unet)`` leaves syncing never accumulates."""
-        found = self.__dict__.get("_forbidden")
-        if found is None:
-            root = self.root
-            body = root.node.body if isinstance(root, Function) else root.tree.body
-            module = root.module if isinstance(root, Function) else root
-            found = False
-            for stmt in body:
-                if isinstance(stmt, ast.If) and stmt.body and isinstance(stmt.body[-1], ast.Raise):
-                    test = module.segment(stmt.test) or ""
-                    if "accum" in test and _DISTRIBUTED_WORDS.search(test):
-                        found = True
-                        break
-            self.__dict__["_forbidden"] = found
-        return found
+        for stmt in self.root_node.body:
+            if isinstance(stmt, ast.If) and stmt.body and isinstance(stmt.body[-1], ast.Raise):
+                test = self.root_module.segment(stmt.test) or ""
+                if "accum" in test and _DISTRIBUTED_WORDS.search(test):
+                    return True
+        return False
 
     # -- running ---------------------------------------------------------------------------------------
     def run(self) -> "Flow":
         scope = self.root
         fr = Frame(scope)
-        body = scope.node.body if isinstance(scope, Function) else scope.tree.body
+        body = self.root_node.body
         if isinstance(scope, Function) and lightning_manual_step(scope, scope.module.segment(scope.node)):
             body = [_lightning_loop(scope)]
         elif isinstance(scope, Function) and scope.uid in self.program.per_call:

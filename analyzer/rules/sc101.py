@@ -1,3 +1,5 @@
+import ast
+
 from synccheck.analyzer.rules.base import Rule
 
 FIX = ("run the forward and backward of every micro-step but the last inside `model.no_sync()` "
@@ -176,8 +178,6 @@ class SyncEveryMicrostep(Rule):
 
 def _inside_accumulate(module, node) -> bool:
     """Is the reported line inside a ``with accelerator.accumulate(...):`` (that does not name the model)?"""
-    import ast
-
     if module is None or node is None:
         return False
     for w in ast.walk(module.tree):

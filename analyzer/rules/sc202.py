@@ -1,4 +1,3 @@
-import ast
 import re
 
 from synccheck.analyzer.rules.base import Rule
@@ -127,8 +126,7 @@ def _grads_rescaled(flow) -> bool:
     if hasattr(root, "node"):
         texts.append(root.module.segment(root.node) or "")
     else:       # a script's top level: its statements, not the functions it defines
-        texts.extend(root.segment(s) or "" for s in root.tree.body
-                     if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+        texts.extend(root.segment(s) or "" for s in root.script_body())
     # and the functions the loop's events are in (a dead ``scale_grads`` elsewhere in the file is not)
     seen = set()
     for module, node in flow.records.nodes.values():
