@@ -20,6 +20,7 @@ MAX_CALLERS = 120
 MAX_DEPTH = 48            # values being computed at once (a chain of parameters, returns, attributes)
 MAX_WORK = 200_000        # values computed per project: past it, what is not known is unknown
 MAX_REDONE = 20_000        # past it, values seen inside a cycle are kept as they were then
+MAX_KEY_REDONE = 3         # a value dropped this many times (its cycle's head changed) is kept the next time
 MAX_PARAM_DEPTH = 5       # parameters followed to their callers' arguments at once
 _BUILTINS = frozenset(dir(builtins))
 

@@ -40,7 +40,7 @@ from synccheck.analyzer.project.value_helpers import (CALL_WORD, _ARITHMETIC, _O
                                                       _parameter_sources, _reaching, _single_device, _symbol_of,
                                                       _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLERS, MAX_DEPTH, MAX_PARAM_DEPTH,
-                                                    MAX_REDONE, MAX_VALUES, MAX_WORK, ONE_UNKNOWN, UNKNOWN,
+                                                    MAX_KEY_REDONE, MAX_REDONE, MAX_VALUES, MAX_WORK, ONE_UNKNOWN, UNKNOWN,
                                                     Accumulator, Bag, Bound, Cls, Const, Ctx, CtxFactory, Ext,
                                                     Framework, Func, Inner, Inst, Loader, LocalSGD, Mod,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup,
@@ -61,6 +61,7 @@ class Values(ContainerValues, ParameterValues, CallValues):
         self._provisional: dict = {}
         self._tentative: dict = {}    # key -> (value, the open cycles' heads whose guess it saw)
         self.redone = 0               # tentative values dropped to be computed again
+        self._stale: dict = {}        # key -> how many times its tentative value was dropped
         self.spent = 0
         self.exhausted = False
         self.sites: dict = {}         # site -> (call node, scope): what a wrapper wraps, an optimizer owns
@@ -98,7 +99,10 @@ class Values(ContainerValues, ParameterValues, CallValues):
         ``a, b = accelerator.prepare(a, b)`` see the earlier bindings) and is iterated at its head. A
         value computed inside a cycle, from the head's guess, is kept only until the head is done
         (``self.model`` read while ``self.model, opt = accelerator.prepare(self.model, opt)`` is being
-        evaluated must not stay without the wrapper); asked again afterwards, it is computed afresh.
+        evaluated must not stay without the wrapper); asked again afterwards, it is computed afresh --
+        at most MAX_KEY_REDONE times: in a cycle through many classes (a mixin's ``self.x = self.x | y``
+        read for every pipeline that inherits it, ``self`` being any of them) each value dropped and
+        computed again drops the ones it saw, and the work doubles with every class of the cycle.
         """
         hit = self._memo.get(key)
         if hit is not None:
@@ -140,7 +144,8 @@ class Values(ContainerValues, ParameterValues, CallValues):
             self.redone += len(stale)
             for k in stale:
                 del self._tentative[k]
-        if pending and self.redone < MAX_REDONE:
+                self._stale[k] = self._stale.get(k, 0) + 1
+        if pending and self.redone < MAX_REDONE and self._stale.get(key, 0) < MAX_KEY_REDONE:
             self._tentative[key] = (result, frozenset(pending))
         else:
             self._memo[key] = result
