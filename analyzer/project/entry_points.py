@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import re
 
+from synccheck.analyzer.project.traversal import children, walk
+
 _CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
 MAX_DEPTH = 2          # how deep into the functions it calls the counter test is looked for
 
@@ -113,7 +115,7 @@ def _counter_gates_step(program, fn, depth: int, seen: set) -> bool:
 def _is_counter_test(test, counters: "_Counters") -> bool:
     """``x % n == 0`` in any form, or a comparison on a counter the class or function increments."""
     compared = []
-    for node in ast.walk(test):
+    for node in walk(test):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
             return True
         if isinstance(node, ast.Compare):
@@ -133,7 +135,7 @@ class _Counters:
         names = self.known.get(id(self.scope))
         if names is None:
             names = self.known[id(self.scope)] = {
-                _dotted(node.target) for node in ast.walk(self.scope)
+                _dotted(node.target) for node in walk(self.scope)
                 if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)}
         return name in names
 
@@ -146,6 +148,10 @@ def _dotted(node) -> str:
     return ""
 
 
+_SKIPPED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+_SKIPPED_AND_LOOPS = _SKIPPED + (ast.For, ast.AsyncFor, ast.While)
+
+
 def _walk(body, loops: bool = True):
     """The nodes of a body, nested definitions left out; ``loops=False``: loops left out too (a step
     gated inside a loop of the function is that loop's business, not once per call)."""
@@ -153,9 +159,8 @@ def _walk(body, loops: bool = True):
     while stack:
         node = stack.pop()
         yield node
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) and \
-                    (loops or not isinstance(child, (ast.For, ast.AsyncFor, ast.While))):
+        for child in children(node):
+            if not isinstance(child, _SKIPPED if loops else _SKIPPED_AND_LOOPS):
                 stack.append(child)
 
 
@@ -209,7 +214,7 @@ def sibling_step(program, fn):
 def _reads_grad(node) -> bool:
     """``image.grad`` read: a backward for the gradient of an input (guided sampling), not training."""
     return any(isinstance(n, ast.Attribute) and n.attr == "grad" and isinstance(n.ctx, ast.Load)
-               for n in ast.walk(node))
+               for n in walk(node))
 
 
 def then_call(fn, method) -> list:

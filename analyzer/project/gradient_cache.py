@@ -20,6 +20,9 @@ def window_cache(module, loop) -> bool:
     Read off the syntax of the function holding ``loop``: a container grown (``append``, ``extend``,
     ``c[k] = v``, ``+=``) outside the loop with values computed under ``torch.no_grad()`` or
     ``.detach()``ed, which the loop slices or overwrites at its own counter."""
+    counters = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)} if isinstance(loop, (ast.For, ast.AsyncFor)) else set()
+    if not counters or not any(_at_counter(node, counters) for node in walk(loop)):
+        return False                # (the last test below, without the caches: one walk of the loop alone)
     scope = _enclosing_scope(module, loop)
     if scope is None:
         return False
@@ -48,9 +51,6 @@ def window_cache(module, loop) -> bool:
             caches.add(root)
     if not caches:
         return False
-    counters = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)} if isinstance(loop, (ast.For, ast.AsyncFor)) else set()
-    if not counters:
-        return False
     # names the loop binds to something read from a cache (``accumulated = accum_features[key]``)
     aliases = set(caches)
     for _ in range(2):
@@ -60,17 +60,19 @@ def window_cache(module, loop) -> bool:
                 aliases.add(stmt.targets[0].id)
     # the slots before or after its own (``cache[:j]``, ``cache[j + 1:]``), or its own slot
     # overwritten (``feats[j] = out``); not its own slot read (``teacher[j]``, ``x[j * b:(j + 1) * b]``)
-    for node in walk(loop):
-        if not isinstance(node, ast.Subscript) or _root(node.value) not in aliases:
-            continue
-        sl = node.slice
-        if isinstance(node.ctx, ast.Store) and _mentions(sl, counters):
-            return True
-        if isinstance(sl, ast.Slice) and sl.step is None and (
-                (sl.lower is None and sl.upper is not None and _mentions(sl.upper, counters)) or
-                (sl.upper is None and sl.lower is not None and _mentions(sl.lower, counters))):
-            return True
-    return False
+    return any(_at_counter(node, counters) and _root(node.value) in aliases for node in walk(loop))
+
+
+def _at_counter(node, counters) -> bool:
+    """``c[j] = v`` or ``c[:j]`` / ``c[j + 1:]`` at one of the loop's counters."""
+    if not isinstance(node, ast.Subscript):
+        return False
+    sl = node.slice
+    if isinstance(node.ctx, ast.Store) and _mentions(sl, counters):
+        return True
+    return isinstance(sl, ast.Slice) and sl.step is None and (
+        (sl.lower is None and sl.upper is not None and _mentions(sl.upper, counters)) or
+        (sl.upper is None and sl.lower is not None and _mentions(sl.lower, counters)))
 
 
 def _enclosing_scope(module, target):

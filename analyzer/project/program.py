@@ -48,6 +48,7 @@ class Program(WrappedModels):
         self._static_graph = (0, False)  # (modules looked at, whether one says static_graph)
         self._eventful: set = set()      # names of project functions that say ROOT_WORDS
         self._eventful_seen = 0
+        self._call_words: dict = {}      # function uid -> the names its text calls
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view
         self.then_call: dict = {}        # root uid -> the sibling method that steps after it
         self._ducks: dict = {}           # method name -> duck_method's answer
@@ -120,17 +121,17 @@ class Program(WrappedModels):
                     # words first: most functions with a loop say nothing a training loop says
                     segment = module.segment(fn.node)
                     loops = ("for " in segment or "while " in segment) and (
-                        any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment)) and _loops(fn.node.body)
+                        any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment, fn.uid)) and _loops(fn.node.body)
                     if loops and self._loop_reaches_backward(fn.node.body, fn, loops):
                         out.append(fn)
                     elif lightning_manual_step(fn, segment):
                         out.append(fn)
-                    elif ("step" in segment or "backward" in segment or self._calls_eventful(segment)) and \
+                    elif ("step" in segment or "backward" in segment or self._calls_eventful(segment, fn.uid)) and \
                             per_call_step(self, fn):
                         self.per_call.add(fn.uid)
                         out.append(fn)
                     elif ("for " in segment or "while " in segment) and \
-                            ("backward" in segment or self._calls_eventful(segment)) and \
+                            ("backward" in segment or self._calls_eventful(segment, fn.uid)) and \
                             _loops(fn.node.body) and (stepper := sibling_step(self, fn)) is not None:
                         self.then_call[fn.uid] = stepper
                         out.append(fn)
@@ -139,9 +140,10 @@ class Program(WrappedModels):
                 if loops and self._loop_reaches_backward(top, module, loops):
                     out.append(module)
 
-    def _calls_eventful(self, segment: str) -> bool:
+    def _calls_eventful(self, segment: str, key=None) -> bool:
         """Does this code call, by name, a function of the project whose text says a training loop's
-        words (``self.fit_batch(batch)`` where fit_batch runs the backward)?"""
+        words (``self.fit_batch(batch)`` where fit_batch runs the backward)? ``key``: the names the
+        code calls are kept under it (a function is asked up to three times)."""
         modules = self.project.modules()
         if self._eventful_seen < len(modules):
             for module in modules[self._eventful_seen:]:
@@ -151,7 +153,12 @@ class Program(WrappedModels):
                     if fn.node.name not in self._eventful and any(w in module.segment(fn.node) for w in ROOT_WORDS):
                         self._eventful.add(fn.node.name)
             self._eventful_seen = len(modules)
-        return not self._eventful.isdisjoint(CALL_WORD.findall(segment))
+        words = self._call_words.get(key) if key is not None else None
+        if words is None:
+            words = frozenset(CALL_WORD.findall(segment))
+            if key is not None:
+                self._call_words[key] = words
+        return not self._eventful.isdisjoint(words)
 
     def _loop_reaches_backward(self, body, scope, loops) -> bool:
         """``loops``: the loops of ``body`` (_loops)."""
