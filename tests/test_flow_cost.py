@@ -184,3 +184,40 @@ def test_a_classmethod_factory_makes_the_class_it_was_called_on(tmp_path):
     main = next(f for m in program.project.modules() for f in m.functions.values() if f.node.name == "main")
     made = program.values.expr(main.node.body[0].value, main)
     assert {v.cls.node.name for v in made} == {"Pipe3"}
+
+
+def _mixin_project(classes: int) -> dict:
+    """A mixin whose method updates an attribute from itself (diffusers' ``self._merged_adapters =
+    self._merged_adapters | names``), ``classes`` pipelines inheriting it, all used in one loop."""
+    pipes = "".join(textwrap.dedent(f"""
+        class Pipe{k}(Mixin):
+            extra{k} = set()
+
+            def __init__(self, unet):
+                self.unet = unet
+
+            def load(self, names):
+                self.fuse(names)
+                return self.merged | self.extra{k}
+        """) for k in range(classes))
+    mixin = "class Mixin:\n    merged = set()\n\n    def fuse(self, names):\n        self.merged = self.merged | names\n"
+    made = "".join(f"    p{k} = Pipe{k}(model)\n" for k in range(classes))
+    used = "".join(f"        p{k}.load(b)\n" for k in range(classes))
+    train = ("from torch.nn.parallel import DistributedDataParallel as DDP\nfrom pipes import *\n\n\n"
+             "def train(net, loader, opt, accum):\n    model = DDP(net)\n" + made +
+             "    for i, b in enumerate(loader):\n" + used +
+             "        loss = model(b).mean() / accum\n        loss.backward()\n"
+             "        if (i + 1) % accum == 0:\n            opt.step()\n            opt.zero_grad()\n")
+    return {"pipes.py": mixin + pipes, "train.py": train}
+
+
+def test_a_self_updating_attribute_of_a_mixin_costs_linear_work(tmp_path):
+    # every pipeline's ``merged`` is read through ``self`` of the mixin's method, which may be any of
+    # them: one cycle through all the classes. Values dropped and computed again each time the
+    # cycle's head moved doubled the work with every class (12 classes: 8,352 values computed)
+    spent = {}
+    for n in (4, 12):
+        program = _program(tmp_path / str(n), _mixin_project(n))
+        program.flows()
+        spent[n] = program.values.spent
+    assert spent[12] < 4 * spent[4], spent
