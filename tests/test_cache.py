@@ -42,3 +42,16 @@ def test_corrupt_cache_is_ignored(tmp_path):
                 (open(os.path.join(dirpath, name), "w")).write("{not json")
     again = lint([str(tmp_path / "train.py")], cache_dir=str(cache))
     assert len(again.findings) == 1
+
+
+def test_a_pipeline_that_only_marks_xla_steps_is_not_parsed(tmp_path):
+    # ``xm.mark_step()`` in a sampling loop (every diffusers pipeline) is no trainer's step call: the
+    # file cannot hold a finding and is left unparsed; a ``trainer.train_step(batch)`` loop is parsed
+    (tmp_path / "pipe.py").write_text("import torch_xla.core.xla_model as xm\n\n"
+                                      "def sample(unet, latents, timesteps):\n"
+                                      "    for t in timesteps:\n        latents = unet(latents, t)\n"
+                                      "        xm.mark_step()\n    return latents\n")
+    (tmp_path / "drive.py").write_text("def run(trainer, loader):\n    for batch in loader:\n"
+                                       "        trainer.train_step(batch)\n")
+    result = lint([str(tmp_path)], jobs=1)
+    assert result.parsed == 1 and not result.findings and not result.errors
