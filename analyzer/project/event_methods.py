@@ -88,6 +88,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
     frameworks = {v.kind for v in vals if isinstance(v, Framework)}
     project_method = any(isinstance(v, Inst) and flow.project.attribute(v.cls, attr) is not None for v in vals)
     if attr == "backward" and not project_method:
+        if not args and kws.get("loss") is not None:
+            args = [kws["loss"]]            # ``booster.backward(loss=loss, optimizer=optimizer)``
         if frameworks and args:
             backward(flow, node, args[0], f"{sorted(frameworks)[0]}.backward", st, fr)
             return NONE_VAL
