@@ -36,7 +36,7 @@ class ScopeInfo:
         self.loops: list = []            # (first line, last line) of every loop in the scope
         self.where = None                # the statement being read (while reading)
         self.fors: dict = {}             # name -> [(iterated expr, unpack path)]   (for name in expr)
-        self.item_stores: dict = {}      # name -> [value expr]   (name[key] = value)
+        self.item_stores: dict = {}      # name -> [(key or None, value expr)]   (name[key] = value)
         self.imports: dict = {}          # name -> (module, attribute or None, level): imports in the body
 
     def reaching(self, name: str, line: int) -> Optional[tuple]:
@@ -264,7 +264,9 @@ def _bind(target, value, path: tuple, info: ScopeInfo, self_name) -> None:
     elif isinstance(target, ast.Starred):
         _bind(target.value, value, path, info, self_name)
     elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and not path:
-        info.item_stores.setdefault(target.value.id, []).append(value)
+        key = target.slice.value if isinstance(target.slice, ast.Constant) and isinstance(target.slice.value, str) \
+            else None
+        info.item_stores.setdefault(target.value.id, []).append((key, value))
     elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute) and not path and \
             self_name and isinstance(target.value.value, ast.Name) and target.value.value.id == self_name:
         # ``self.modules[name] = DDP(module)``: an element of the container ``self.modules``

@@ -18,7 +18,9 @@ class ContainerValues:
     def _grown(self, name: str, out: set, info, scope) -> set:
         """A list or dict the scope fills in place (``models.append(unet)``, ``opts["g"] = opt``)
         holds what was put in it too."""
-        added = [value for value in info.item_stores.get(name, ())]
+        stores = info.item_stores.get(name, ())
+        added = [value for key, value in stores if key is None]
+        keyed = [(key, value) for key, value in stores if key is not None]     # ``config["epochs"] = 2``
         spread = []
         for call in info.calls:
             func = call.func
@@ -29,15 +31,15 @@ class ContainerValues:
                     added.append(call.args[1])
                 elif func.attr in ("extend", "update") and call.args:
                     spread.append(call.args[0])
-        if not added and not spread:
+        if not added and not spread and not keyed:
             return out
-        items, keyed, rest, fields = set(), False, set(), ()
+        items, is_dict, rest, fields = set(), False, set(), ()
         for v in out:
             if isinstance(v, Tup):
                 items.update(x for part in v.items for x in part)
             elif isinstance(v, Bag):
                 items |= v.items
-                keyed = keyed or v.keyed
+                is_dict = is_dict or v.keyed
                 fields = fields or v.fields      # the literal's entries still hold, with more beside them
             else:
                 rest.add(v)
@@ -47,7 +49,17 @@ class ContainerValues:
             items |= self.expr(node, scope)
         for node in spread:
             items |= self.elements(self.expr(node, scope), values_of_dict=True)
-        return rest | {Bag(_cap(items), keyed, fields)}
+        if keyed:
+            # a store under a key the literal has, or a new one, is that entry's: writing
+            # ``config["num_epochs"]`` leaves ``config["batch_size"]`` what the literal says
+            entries = dict(fields)
+            for key, node in keyed:
+                vals = self.expr(node, scope)
+                items |= vals
+                if fields:
+                    entries[key] = _cap(entries.get(key, frozenset()) | vals)
+            fields = tuple(entries.items())
+        return rest | {Bag(_cap(items), is_dict, fields)}
 
     def _iterated(self, name: str, info, scope) -> frozenset:
         """What ``for name in expr`` binds: the elements of a list or tuple we know, else unknown."""
