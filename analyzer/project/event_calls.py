@@ -17,7 +17,7 @@ from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
-                                               Optim, Unknown, Wrapper, parameter_default)
+                                               Optim, Unknown, Wrapper, parameter_default, site_of)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         # a dispatch over many classes (``self.scheduler.step(...)`` on any of a library's dozens of
         # schedulers): not a training loop's own code. Reading each would cost more than it could
         # tell; what they return is read from their returns
-        return _opaque_dispatch(flow, targets, args, kws)
+        return _opaque_dispatch(flow, targets, args, kws, site_of(fr.module, node))
     results = []
     if len(targets) > 1:
         # a base class's hook (``raise NotImplementedError``) never runs where a subclass fills it
@@ -106,11 +106,11 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
 MAX_FANOUT = 8      # targets of one call analysed in place, each as a path
 
 
-def _opaque_dispatch(flow, targets, args, kws) -> EnvVal:
+def _opaque_dispatch(flow, targets, args, kws, site) -> EnvVal:
     out = set()
     for v in targets:
         if isinstance(v, (Func, Bound)):
-            out |= flow.values.returns_for(v.fn, v.receiver if isinstance(v, Bound) else None)
+            out |= flow.values.call_returns(v.fn, v.receiver if isinstance(v, Bound) else None, site)
         elif isinstance(v, Cls):
             out.add(Inst(v.cls))
         else:
@@ -235,7 +235,8 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
     if result is None:
         # not worth following (no event, no model passed in): what it returns, and whether it divides
         prov = _prov(*args, *kws.values())
-        return _val(flow.values.returns_for(fn, receiver), prov, flow.program.returns_scaled(fn))
+        return _val(flow.values.call_returns(fn, receiver, site_of(fr.module, node)), prov,
+                    flow.program.returns_scaled(fn))
     return result
 
 

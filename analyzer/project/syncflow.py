@@ -31,7 +31,8 @@ from synccheck.analyzer.project.facts import Records
 from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms, depends_on
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
-from synccheck.analyzer.project.values import ONE_UNKNOWN, Const
+from synccheck.analyzer.project.value_calls import made_per_call
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, site_of
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
 from synccheck.analyzer.project.entry_points import per_call_loop, then_call
@@ -175,6 +176,11 @@ class Flow(Loops):
             return events.with_(self, s, st, fr)
         if t is ast.Return:
             value = self.expr(s.value, st, fr) if s.value is not None else EnvVal(((TRUE, frozenset((Const(None),))),))
+            if type(s.value) is ast.Call and self.call_stack:
+                # ``return component(*args)`` makes the caller's own object (ValueCalls._made_per_call)
+                caller = site_of(*self.call_stack[-1])
+                made = {site_of(fr.module, s.value)}
+                value = value._replace(alts=tuple((g, made_per_call(v, made, caller)) for g, v in value.alts))
             fr.returns.append(st)
             fr.ret_vals.append(value)
             return None

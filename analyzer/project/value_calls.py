@@ -90,7 +90,7 @@ class CallValues:
         if isinstance(callee, (Func, Bound)):
             if callee.fn.contextmanager:
                 return frozenset((Ctx("helper", site, _text(module, call)),))
-            return self.returns_for(callee.fn, callee.receiver if isinstance(callee, Bound) else None)
+            return self.call_returns(callee.fn, callee.receiver if isinstance(callee, Bound) else None, site)
         if isinstance(callee, Cls):
             qual = qualified_name(callee.cls)
             ext = self.project.external_bases(callee.cls)
@@ -250,6 +250,21 @@ class CallValues:
         return frozenset(v for v in out if not (isinstance(v, (Inst, Cls)) and fn.cls in mro(v.cls)
                                                  and mine not in mro(v.cls)))
 
+    def _made_per_call(self, values: frozenset, fn: Function, site) -> frozenset:
+        """A factory's ``return component(*args)`` (a call we cannot follow, in the return statement)
+        makes a new object on every call: the object one caller gets is its own, known by the caller's
+        call (torchtune's ``config.instantiate``: the model one recipe shards is not the model of the
+        single-device recipe). An object the function binds first (``model = build(); fully_shard(model);
+        return model``) stays the one object it is."""
+        if not any(isinstance(v, Obj) for v in values):
+            return values
+        return made_per_call(values, {site_of(fn.module, r) for r in self.info(fn).returns if isinstance(r, ast.Call)},
+                             site)
+
+    def call_returns(self, fn: Function, receiver, site) -> frozenset:
+        """What a call at ``site`` of ``fn`` (on ``receiver``) returns to its caller."""
+        return self._made_per_call(self.returns_for(fn, receiver), fn, site)
+
     def _returns(self, fn: Function) -> frozenset:
         info = self.info(fn)
         if not info.returns:
@@ -286,3 +301,13 @@ class CallValues:
         if arg is None:
             return EMPTY
         return self.expr(arg, scope)
+
+
+def made_per_call(values: frozenset, made_at: set, caller_site) -> frozenset:
+    """The objects made at one of ``made_at`` (calls in a return statement), as the caller at
+    ``caller_site`` gets them: its own (see ValueCalls._made_per_call; the flow does the same at the
+    ``return`` of a function it analyses in place)."""
+    if not made_at or not any(isinstance(v, Obj) and v.site in made_at for v in values):
+        return values
+    return frozenset(Obj(caller_site + ("returned", v.site)) if isinstance(v, Obj) and v.site in made_at else v
+                     for v in values)
