@@ -49,6 +49,8 @@ class Program(WrappedModels):
         self._eventful: set = set()      # names of project functions that say ROOT_WORDS
         self._eventful_seen = 0
         self._call_words: dict = {}      # function uid -> the names its text calls
+        self._by_name: dict = {}         # function name -> the project functions of that name
+        self._relays: dict = {}          # name -> whether a function of that name calls an eventful one
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view
         self.then_call: dict = {}        # root uid -> the sibling method that steps after it
         self._ducks: dict = {}           # method name -> duck_method's answer
@@ -147,18 +149,36 @@ class Program(WrappedModels):
         modules = self.project.modules()
         if self._eventful_seen < len(modules):
             for module in modules[self._eventful_seen:]:
+                for fn in module.functions.values():
+                    self._by_name.setdefault(fn.node.name, []).append(fn)
                 if not any(w in module.text for w in ROOT_WORDS):
                     continue            # (a function's text is a part of its module's)
                 for fn in module.functions.values():
                     if fn.node.name not in self._eventful and any(w in module.segment(fn.node) for w in ROOT_WORDS):
                         self._eventful.add(fn.node.name)
             self._eventful_seen = len(modules)
+            self._relays = {}
+        words = self._names_called(segment, key)
+        if not self._eventful.isdisjoint(words):
+            return True
+        # one call further: ``self.run_epoch(...)`` whose body is ``self.task.train_epoch(model=...)``
+        for name in words:
+            relays = self._relays.get(name)
+            if relays is None:
+                relays = self._relays[name] = any(
+                    not self._eventful.isdisjoint(self._names_called(fn.module.segment(fn.node), fn.uid))
+                    for fn in self._by_name.get(name, ()))
+            if relays:
+                return True
+        return False
+
+    def _names_called(self, segment: str, key=None) -> frozenset:
         words = self._call_words.get(key) if key is not None else None
         if words is None:
             words = frozenset(CALL_WORD.findall(segment))
             if key is not None:
                 self._call_words[key] = words
-        return not self._eventful.isdisjoint(words)
+        return words
 
     def _loop_reaches_backward(self, body, scope, loops) -> bool:
         """``loops``: the loops of ``body`` (_loops)."""
