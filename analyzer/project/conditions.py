@@ -73,6 +73,12 @@ def volatile(node) -> bool:
     return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in walk(node))
 
 
+# comparisons of a loop's counter with a number, evaluated at the counter's first value
+_AT_START = {ast.Eq: lambda a, b: a == b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+             ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b}
+_MIRRORED = {ast.Gt: ast.Lt, ast.Lt: ast.Gt, ast.GtE: ast.LtE, ast.LtE: ast.GtE}
+
+
 class Conditions:
     """Evaluates tests for one Flow; knows the atoms table and how to read the local environment."""
 
@@ -229,21 +235,24 @@ class Conditions:
     def _first(self, atom, node, fr) -> None:
         """``micro_step == 0`` on a counted loop's counter: true on its first iteration only, so
         never together with its last (a loop of micro-steps runs more than once, as the mod forms
-        assume)."""
-        if len(node.ops) != 1 or not isinstance(node.ops[0], ast.Eq):
+        assume). ``i > 0``, ``i >= 1``, ``i < 1``: what they say on the first iteration is known too."""
+        if len(node.ops) != 1 or type(node.ops[0]) not in _AT_START:
             return
-        left, right = node.left, node.comparators[0]
+        left, right, op = node.left, node.comparators[0], type(node.ops[0])
         if isinstance(left, ast.Constant):
-            left, right = right, left
+            left, right, op = right, left, _MIRRORED.get(op, op)      # ``0 < i`` is ``i > 0``
         if not (isinstance(left, ast.Name) and isinstance(right, ast.Constant) and type(right.value) is int):
             return
         found = self.flow.counter_loop(ast.dump(left), fr)
         if found is None:
             return
         loop, start = found
-        atom.first = (loop, right.value == start)
+        # what the test says on the first iteration (``i > 0``: false there, as ``i != 0`` is)
+        atom.first = (loop, _AT_START[op](start, right.value))
+        # (true on the first iteration only: never together with the last)
+        only_first = (op in (ast.Eq, ast.LtE) and right.value == start) or (op is ast.Lt and right.value == start + 1)
         last = self.flow.last_atoms.get(loop)
-        if atom.first[1] and last is not None:
+        if atom.first[1] and only_first and last is not None:
             self.atoms.universe &= ~(MASKS[atom.index] & MASKS[last.index]) & TRUE
 
     @staticmethod
