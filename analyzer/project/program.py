@@ -42,6 +42,7 @@ class Program(WrappedModels):
         self._inferred = None
         self._wrapping = None
         self._managed = None
+        self._parameter_loops: dict = {}  # function uid -> its loops over a model's parameters (managed_models)
         self._flows = None
         self.incomplete: list = []      # roots whose analysis hit a budget
         self._no_sync = None

@@ -137,8 +137,47 @@ class WrappedModels:
                     for v in self.values.expr(call, scope):
                         if isinstance(v, LocalSGD):
                             out |= self.wrappers(self.values.context_models(v))
+            # ``averager.average_parameters(model.parameters())`` (an averager made without the model),
+            # ``model_averaging.utils.average_parameters(model.parameters(), group)``
+            for scope, call in self.values.calls("average_parameters"):
+                if call.args:
+                    out |= self.wrappers(self._parameters_owner(call.args[0], scope))
+            # by hand: ``for p in model.parameters(): dist.all_reduce(p.data)`` (every K steps: local SGD;
+            # on the gradients before each step: the sync DDP would have done)
+            for name in ("all_reduce", "all_reduce_coalesced", "broadcast"):
+                for scope, call in self.values.calls(name):
+                    owner = self._loop_over_parameters(scope, call)
+                    if owner is not None:
+                        out |= self.wrappers(self.values.expr(owner, scope))
             self._managed = frozenset(out)
         return self._managed
+
+    def _parameters_owner(self, expr, scope) -> frozenset:
+        """The values whose parameters ``expr`` is (``model.parameters()``), else what ``expr`` holds."""
+        if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and \
+                expr.func.attr in ("parameters", "named_parameters"):
+            return self.values.expr(expr.func.value, scope)
+        return self.values.expr(expr, scope)
+
+    def _loop_over_parameters(self, scope, call):
+        """``model`` when ``call`` (a collective) is in ``for p in model.parameters():`` and is handed
+        the loop's parameter (``p``, ``p.data``, ``p.grad``); None otherwise."""
+        if not call.args or not isinstance(scope, Function):
+            return None
+        loops = self._parameter_loops.get(scope.uid)
+        if loops is None:
+            loops = self._parameter_loops[scope.uid] = []
+            if "parameters(" in scope.module.segment(scope.node):
+                for loop in walk_no_defs(scope.node):
+                    it = loop.iter if isinstance(loop, ast.For) else None
+                    if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and \
+                            it.func.attr in ("parameters", "named_parameters"):
+                        names = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)}
+                        loops.append(({id(n) for n in walk(loop)}, names, it.func.value))
+        for inside, names, owner in loops:
+            if id(call) in inside and any(isinstance(n, ast.Name) and n.id in names for n in walk(call.args[0])):
+                return owner
+        return None
 
 
 def _wraps(vals) -> bool:
