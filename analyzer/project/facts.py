@@ -216,12 +216,38 @@ def unsynced_steps(flow) -> list:
         if not pop.data_parallel:
             continue
         for group, outcomes in pop.groups(("stepped",)).items():
-            if outcomes and all(t.synced == "off" for t, _, _ in outcomes) and \
+            if outcomes and (all(t.synced == "off" for t, _, _ in outcomes) or _synced_on_last_only(pop, group)) and \
                     not any(t.misses_forward and t.by is not None and _is_flag(flow, t.by) for t, _, _ in outcomes):
                 token, _, resolver = sorted(outcomes, key=repr)[0]
                 out.append((resolver, token, pop, group))
                 break
     return out
+
+
+def _synced_on_last_only(pop, group: int) -> bool:
+    """At the boundaries of a counter gate (``(i + 1) % accum == 0``), is sync on only on the loop's
+    last iteration (``model.no_sync() if i < n - 1 else nullcontext()``)? Every other boundary then
+    steps on gradients never all-reduced."""
+    atoms = pop.flow.atoms.atoms
+    last = [a.index for a in atoms if a.loop is not None and a.loop == pop.loop]
+    if len(last) != 1 or not any(atoms[k].mod is not None for k in pop.gate):
+        return False
+    gate_bits = 0
+    for k in pop.gate:
+        gate_bits |= 1 << k
+    last_bit = 1 << last[0]
+    universe = pop.flow.atoms.universe & pop.width_mask
+    unsynced = False
+    for token, kind, _, _, guard in pop.records:
+        if kind != "stepped":
+            continue
+        for a in assignments(guard & universe):
+            if a & gate_bits != group or a & last_bit:
+                continue
+            if token.synced != "off":
+                return False            # a boundary before the last one syncs
+            unsynced = True
+    return unsynced
 
 
 def wasted(flow) -> list:
