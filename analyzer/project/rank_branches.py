@@ -61,6 +61,7 @@ class _RankChecker(RankTests):
         self.program = program
         self.values = program.values
         self._runs: dict = {}
+        self._names_bound: dict = {}         # module path -> its names for collectives (_may_name_collective)
         self._attribute_stores: dict = {}    # class uid -> attribute -> [(value, method)] (rank_tests)
 
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
@@ -125,6 +126,8 @@ class _RankChecker(RankTests):
     def collective(self, call: ast.Call, scope) -> Optional[str]:
         func = call.func
         if not isinstance(func, ast.Attribute):
+            if isinstance(func, ast.Name) and not self._may_name_collective(func.id, scope):
+                return None
             vals = self.values.expr(func, scope)
             for v in vals:
                 if isinstance(v, Ext) and v.qualname.startswith("torch.distributed.") and \
@@ -147,6 +150,19 @@ class _RankChecker(RankTests):
         if text.endswith(("accelerator", "fabric")) and attr in vocab.FRAMEWORK_COLLECTIVES:
             return _kind(attr)
         return None
+
+    def _may_name_collective(self, name: str, scope) -> bool:
+        """Can a plain name called here be torch.distributed's collective: it is one's name, or the
+        module binds it to one (``from torch.distributed import barrier as b``, ``reduce =
+        dist.all_reduce``)? Most calls in a script are ``len(...)``, ``print(...)``, a function of
+        the project or a model: their values are not worked out for this."""
+        if name in vocab.COLLECTIVES:
+            return True
+        module = scope.module if isinstance(scope, Function) else scope
+        bound = self._names_bound.get(module.path)
+        if bound is None:
+            bound = self._names_bound[module.path] = _collective_aliases(module.tree)
+        return name in bound
 
     def runs(self, fn: Function, binding: frozenset = frozenset()) -> set:
         """The collectives a project function runs on every rank that calls it (transitively), given
@@ -282,3 +298,20 @@ def _fold(node, binding: dict):
 
 def _exits(stmts) -> bool:
     return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+
+def _collective_aliases(tree) -> frozenset:
+    """The names a module binds to a collective under another name: ``from torch.distributed import
+    barrier as sync``, ``reduce = dist.all_reduce``."""
+    out = set()
+    for node in walk(tree):
+        t = type(node)
+        if t is ast.alias:
+            if node.asname and node.name.rpartition(".")[2] in vocab.COLLECTIVES:
+                out.add(node.asname)
+        elif t is ast.Assign:
+            value = node.value
+            last = value.attr if type(value) is ast.Attribute else value.id if type(value) is ast.Name else None
+            if last in vocab.COLLECTIVES:
+                out.update(n.id for target in node.targets for n in walk(target) if type(n) is ast.Name)
+    return frozenset(out)
