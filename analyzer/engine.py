@@ -300,8 +300,8 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         result.findings.extend(findings)
         result.errors.extend(errors)
         result.parsed += parsed
-        if cache is not None:
-            cache.put(key, findings, errors, deps)
+        if cache is not None and not any(e.message.startswith("not checked") for e in errors):
+            cache.put(key, findings, errors, deps)      # (an internal error is not kept: the next run tries again)
     return result
 
 
@@ -319,6 +319,16 @@ def _analyse_component(args) -> tuple:
     gc.disable()
     try:
         return _analyse_files(*args)
+    except Exception as exc:
+        # a bug of ours in one component costs that component's findings, not the whole run's: the
+        # other components are still reported, and this one is named as not checked
+        if os.environ.get("SYNCCHECK_DEBUG"):
+            raise
+        members = args[0]
+        path = next((m[0] for m in members if m[3] and m[4]), members[0][0] if members else "")
+        others = f" and the {len(members) - 1} files analysed with it" if len(members) > 1 else ""
+        return [], [FileError(path, f"not checked{others}: internal error {type(exc).__name__}: {exc} "
+                                    f"(set SYNCCHECK_DEBUG=1 for a traceback)")], 0, []
     finally:
         if enabled:
             gc.enable()

@@ -55,3 +55,29 @@ def test_a_pipeline_that_only_marks_xla_steps_is_not_parsed(tmp_path):
                                        "        trainer.train_step(batch)\n")
     result = lint([str(tmp_path)], jobs=1)
     assert result.parsed == 1 and not result.findings and not result.errors
+
+
+def test_an_internal_error_costs_only_its_component(tmp_path, monkeypatch):
+    # a bug of ours met while analysing one component is reported as that component not being
+    # checked; the findings of the other components are still reported, and nothing is cached for it
+    from synccheck.analyzer.project import program as program_module
+
+    (tmp_path / "good.py").write_text(BAD)
+    (tmp_path / "boom.py").write_text(BAD.replace("loader", "batches"))
+    real = program_module.Program.flows
+
+    def flows(self):
+        if any(m.path.endswith("boom.py") for m in self.project.modules()):
+            raise KeyError("injected")
+        return real(self)
+
+    monkeypatch.setattr(program_module.Program, "flows", flows)
+    monkeypatch.delenv("SYNCCHECK_DEBUG", raising=False)
+    cache = str(tmp_path / "cache")
+    result = lint([str(tmp_path)], jobs=1, cache_dir=cache)
+    assert [os.path.basename(f.path) for f in result.findings] == ["good.py"]
+    assert len(result.errors) == 1 and result.errors[0].path.endswith("boom.py")
+    assert "internal error KeyError" in result.errors[0].message
+    monkeypatch.setattr(program_module.Program, "flows", real)
+    again = lint([str(tmp_path)], jobs=1, cache_dir=cache)
+    assert sorted(os.path.basename(f.path) for f in again.findings) == ["boom.py", "good.py"] and not again.errors

@@ -25,6 +25,13 @@ from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, E
 
 def call(flow, node: ast.Call, st, fr) -> EnvVal:
     func = node.func
+    if isinstance(func, ast.Name) and func.id == "getattr" and len(node.args) >= 2 and \
+            isinstance(node.args[1], ast.Constant) and node.args[1].value == "no_sync":
+        # ``getattr(model, "no_sync", nullcontext)``: DDP's no_sync where the model is a wrapper
+        recv = expr(flow, node.args[0], st, fr)
+        factory = FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node),
+                              ast.unparse(node))
+        return EnvVal(((TRUE, frozenset((factory,))),), recv.prov, recv.scaled)
     recv = expr(flow, func.value, st, fr) if isinstance(func, ast.Attribute) else None
     if isinstance(func, ast.Lambda):
         return _val(ONE_UNKNOWN)

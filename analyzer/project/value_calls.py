@@ -48,6 +48,9 @@ class CallValues:
                 receivers = self.expr(call.args[0], scope)
                 for name in names:
                     out |= self.attribute(receivers, name, call, scope)
+                if len(call.args) > 2 and (not out or UNKNOWN in out):
+                    # ``getattr(model, "no_sync", nullcontext)``: the default where the attribute may be missing
+                    out |= self.expr(call.args[2], scope)
                 return frozenset(out) or ONE_UNKNOWN
         for callee in callees:
             out |= self._call_value(callee, call, scope, module)

@@ -372,14 +372,14 @@ class Values(ContainerValues, ParameterValues, CallValues):
                     out.add(Inner(v))
                 elif attr == "no_sync":
                     out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
-                    self.sites[site_of(self.module_of(scope), node)] = (node.value, scope)
+                    self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
                 else:
                     out.add(UNKNOWN)
             elif isinstance(v, Loader) and attr in ("sampler", "batch_sampler"):
                 out |= self.loader_samplers(v)
             elif isinstance(v, (Obj, Unknown)) and attr == "no_sync":
                 out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
-                self.sites[site_of(self.module_of(scope), node)] = (node.value, scope)
+                self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
             else:
                 out.add(UNKNOWN)
         return frozenset(out)
@@ -443,3 +443,7 @@ class Values(ContainerValues, ParameterValues, CallValues):
             pass
         return frozenset(out) or EMPTY
 
+
+def _receiver_of(node):
+    """The object expression of an attribute read: ``m`` in ``m.no_sync`` and in ``getattr(m, "no_sync")``."""
+    return node.args[0] if isinstance(node, ast.Call) else node.value
