@@ -32,12 +32,23 @@ def collectives_in_rank_branches(program) -> list:
         if not (rule.wants(module.text) or rule.reaches(module.text)):
             continue
         scopes = [module] + list(module.functions.values())
+        paired: dict = {}       # class uid -> what its __enter__ and __exit__ run, balanced together
         for scope in scopes:
             body = scope.node.body if isinstance(scope, Function) else module.script_body()
             found: list = []
             checker.walk(body, None, None, scope, found)
+            if isinstance(scope, Function) and scope.cls is not None and scope.node.name in _ENTER_EXIT:
+                # a zero-first context manager written as a class: the other ranks' barrier in
+                # ``__enter__``, the main rank's in ``__exit__``; every rank runs one
+                paired.setdefault(scope.cls.uid, []).extend(found)
+                continue
+            out.extend(_unbalanced(module, found))
+        for found in paired.values():
             out.extend(_unbalanced(module, found))
     return out
+
+
+_ENTER_EXIT = ("__enter__", "__exit__", "__aenter__", "__aexit__")
 
 
 def _unbalanced(module, found: list) -> list:
