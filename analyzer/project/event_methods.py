@@ -16,6 +16,7 @@ from typing import Optional
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Const, Ext, Framework, Inner, Inst, Obj,
                                                Optim, Scaler, Unknown, Wrapper, site_of)
 
@@ -257,15 +258,31 @@ def _surrogate(flow, node, fr, depth: int = 0) -> bool:
     return False
 
 
-def weighted(loss, factor, factor_node):
+def weighted(loss, factor, factor_node, flow=None, fr=None):
     """``loss * factor`` where the factor is a plain weight (``lambda_coeff``, an fp16 loss scale),
     not the accumulation's 1/N: the product is as scaled as the loss was. ``_UNWEIGHTED`` when this is
-    not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count)."""
+    not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count).
+    With the flow, a factor's own binding is read too (``self.loss_scale = 1.0 / accum``)."""
     is_loss = bool(loss.prov) or loss.scaled is not None
     factor_is_loss = bool(factor.prov) or factor.scaled is not None
-    if is_loss and not factor_is_loss and not scales_by_count(factor_node):
+    if is_loss and not factor_is_loss and not scales_by_count(factor_node) and \
+            not (flow is not None and _bound_to_a_fraction(flow, factor_node, fr)):
         return loss.scaled
     return _UNWEIGHTED
+
+
+def _bound_to_a_fraction(flow, node, fr) -> bool:
+    """Is the name or ``self`` attribute bound to a division (``1.0 / accum``) where it is set?"""
+    scope = fr.scope
+    if isinstance(node, ast.Name) and hasattr(scope, "node"):
+        values = [value for value, path in flow.values.info(scope).assigns.get(node.id, ()) if not path]
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and getattr(scope, "cls", None) \
+            is not None and scope.params and node.value.id == scope.params[0]:
+        values = [value for klass in flow.project.mro(scope.cls)
+                  for _, value, path in _class_attrs(flow.values, klass).get(node.attr, ()) if not path]
+    else:
+        return False
+    return any(isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) for v in values)
 
 
 def _scale_call(node) -> bool:

@@ -113,9 +113,9 @@ def expr(flow, node, st, fr) -> EnvVal:
         product = _UNWEIGHTED
         if isinstance(node.op, ast.Mult):
             # ``lambda_coeff * loss``: a weight between losses, not the accumulation's 1/N
-            product = weighted(left, right, node.right)
+            product = weighted(left, right, node.right, flow, fr)
             if product is _UNWEIGHTED:
-                product = weighted(right, left, node.left)
+                product = weighted(right, left, node.left, flow, fr)
         if product is not _UNWEIGHTED:
             scaled = product
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):

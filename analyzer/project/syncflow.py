@@ -156,7 +156,7 @@ class Flow(Loops):
         if t is ast.AugAssign:
             value = self.expr(s.value, st, fr)
             old = self.expr(s.target, st, fr) if isinstance(s.target, (ast.Name, ast.Attribute)) else UNKNOWN_VAL
-            product = events.weighted(old, value, s.value) if isinstance(s.op, ast.Mult) else events._UNWEIGHTED
+            product = events.weighted(old, value, s.value, self, fr) if isinstance(s.op, ast.Mult) else events._UNWEIGHTED
             if product is not events._UNWEIGHTED:
                 scaled = product             # ``loss *= weight``
             else:
