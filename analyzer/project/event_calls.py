@@ -15,6 +15,7 @@ from typing import Optional
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Unknown, Wrapper, parameter_default, site_of)
@@ -41,7 +42,14 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         handled = _method(flow, node, func.attr, recv, args, kws, st, fr)
         if handled is not None:
             return handled
-        callee = flow.values.attribute(recv.values, func.attr, func, fr.scope)
+        picked = _property_test(flow, func, recv.values, st, fr)
+        if picked is not None:
+            # ``self.sync_context()`` where the property picks ``self.model.no_sync`` or ``nullcontext``
+            callee = picked.values
+            if len(picked.alts) > 1 and any(isinstance(v, FlowFactory) for v in callee):
+                return _factory_by_alts(flow, node, picked, recv, args, kws, st, fr)
+        else:
+            callee = flow.values.attribute(recv.values, func.attr, func, fr.scope)
     else:
         callee_val = expr(flow, func, st, fr)
         callee = callee_val.values
@@ -337,7 +345,7 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
     words = flow.program.fn_words(fn)
     if words - flow.program.CALLS_ONLY:
         return True
-    if _returns_a_test(fn):
+    if _returns_a_test(fn) or _returns_a_sync_control(fn):
         return True
     if "call" not in words:
         return False
@@ -347,6 +355,16 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
             return True
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+def _returns_a_sync_control(fn: Function) -> bool:
+    """``return self.model.no_sync if self.accumulating else nullcontext``: a sync control (or its
+    factory) picked by a test the caller's state decides (walked, the test is the caller's)."""
+    ret = fn.only_return
+    return ret is not None and any(isinstance(n, ast.Attribute) and n.attr in _SYNC_ATTRS for n in walk(ret))
+
+
+_SYNC_ATTRS = ("no_sync", "no_backward_sync")
 
 
 def _returns_a_test(fn: Function) -> bool:
@@ -388,6 +406,7 @@ def _freeze(value: EnvVal):
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial,
+                                               _property_test,
                                                _deco, _prov, _val, expr)
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler

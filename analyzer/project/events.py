@@ -239,14 +239,16 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
 
 def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
     """``if self.at_boundary:`` through ``@property def at_boundary(self): return (self.step + 1) %
-    self.accum == 0``: the property's test, read as the caller's condition (event_calls.inline)."""
+    self.accum == 0``: the property's test, read as the caller's condition (event_calls.inline); so
+    for a property that picks a sync control (``self.model.no_sync if self.accumulating else ...``)."""
     if len(receivers) != 1:
         return None
     (receiver,) = receivers
     if not isinstance(receiver, Inst):
         return None
     method = flow.project.attribute(receiver.cls, node.attr)
-    if not (isinstance(method, Function) and method.is_property and _returns_a_test(method)):
+    if not (isinstance(method, Function) and method.is_property and
+            (_returns_a_test(method) or _returns_a_sync_control(method))):
         return None
     key = ("property call", id(node))
     call = flow.memo.get(key)
@@ -283,7 +285,8 @@ def _text(fr, node) -> str:
 # defined its own, so the parts may be imported in any order. Every name of the parts is
 # importable from here too, as it was before events.py was split.
 from synccheck.analyzer.project.event_calls import (_call_target, _factory_by_alts, _forward_by_alts, _freeze,
-                                                    _literal_default, _returns_a_test, call, inline)
+                                                    _literal_default, _returns_a_sync_control, _returns_a_test,
+                                                    call, inline)
 from synccheck.analyzer.project.event_methods import (_COUNT_WORDS, _UNWEIGHTED, _external, _method, _name,
                                                       _native_scaler, _scale_call, _unknown, scales_by_count,
                                                       weighted)
