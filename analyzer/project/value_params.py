@@ -129,9 +129,13 @@ class ParameterValues:
         self._plain[key] = ()
         names = [fn.node.name]
         if fn.cls is not None and fn.node.name == "__init__":
-            # ``Sub(...)`` runs Base.__init__ when Sub does not define its own
-            names = [k.node.name for k in self.project.subclasses(fn.cls)
-                     if self.project.attribute(k, "__init__") is fn]
+            # ``Sub(...)`` runs Base.__init__ when Sub does not define its own; its callers are in the
+            # modules that import Sub's (``main.py`` imports engine.classifier, not engine.base)
+            subs = [k for k in self.project.subclasses(fn.cls) if self.project.attribute(k, "__init__") is fn]
+            names = [k.node.name for k in subs]
+            for k in subs:
+                if k.module is not fn.module:
+                    self.project.importers(k.module, (k.node.name,))
         # the callers are in its own module and in the modules that import it
         self.project.importers(fn.module, tuple(names))
         candidates = [c for n in names for c in self.calls(n)]
