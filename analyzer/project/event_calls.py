@@ -320,8 +320,13 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     ends = flow.join([out] + frame.returns)
     props = ends.props if ends is not None else {}
     if frame.ret_vals:
-        result = frame.ret_vals[0]
-        for r in frame.ret_vals[1:]:
+        rets = frame.ret_vals
+        if len(rets) > 1:
+            # ``if enabled: return model.no_sync()`` / ``return nullcontext()``: each value holds on the
+            # paths that return it (the caller's ``with`` then turns sync off where ``enabled`` holds)
+            rets = [_on_paths(r, returned) for r, returned in zip(rets, frame.returns)]
+        result = rets[0]
+        for r in rets[1:]:
             result = EnvVal(result.alts + tuple(a for a in r.alts if a not in result.alts), result.prov | r.prov,
                             True if (result.scaled or r.scaled) else result.scaled,
                             result.cond if result.cond == r.cond else None)
@@ -355,6 +360,17 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
             return True
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+def _on_paths(value: EnvVal, st) -> EnvVal:
+    """``value`` restricted to the paths that reach state ``st`` (the guards of its properties)."""
+    if st is None or not st.props:
+        return value
+    reach = 0
+    for guard in st.props.values():
+        reach |= guard
+    alts = tuple((g & reach, v) for g, v in value.alts if g & reach)
+    return value._replace(alts=alts) if alts else value
 
 
 def _returns_a_sync_control(fn: Function) -> bool:
