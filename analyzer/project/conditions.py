@@ -254,6 +254,9 @@ class Conditions:
         last = self.flow.last_atoms.get(loop)
         if atom.first[1] and only_first and last is not None:
             self.atoms.universe &= ~(MASKS[atom.index] & MASKS[last.index]) & TRUE
+        # (``micro > 0``: true on every iteration but the first, so on the last one)
+        if last is not None and ((op is ast.Gt and right.value == start) or (op is ast.GtE and right.value == start + 1)):
+            self.atoms.universe &= ~(~MASKS[atom.index] & MASKS[last.index]) & TRUE
 
     @staticmethod
     def _stable(names, st):
