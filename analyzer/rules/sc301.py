@@ -15,8 +15,8 @@ CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.")
 
 FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
 COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric)\.(barrier|monitored_barrier|all_reduce|"
-                   r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|scatter\w*|reduce_scatter\w*|"
-                   r"all_to_all\w*|wait_for_everyone)\(")
+                   r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|gather_for_metrics|scatter\w*|"
+                   r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
 COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT)
 
 
