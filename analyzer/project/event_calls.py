@@ -51,6 +51,9 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         else:
             callee = flow.values.attribute(recv.values, func.attr, func, fr.scope)
     else:
+        lam = _lambda_named(flow, func, fr)
+        if lam is not None:
+            return _call_lambda(flow, lam, args, kws, st, fr)
         callee_val = expr(flow, func, st, fr)
         callee = callee_val.values
         if len(callee_val.alts) > 1 and flow.program.wrappers(callee):
@@ -360,6 +363,34 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
             return True
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
+    """The lambda a name is bound to, once, in the calling scope (``grad_ctx = lambda b: ...``)."""
+    if not isinstance(func, ast.Name):
+        return None
+    bound = flow.values.info(fr.scope).assigns.get(func.id, ())
+    if len(bound) == 1 and not bound[0][1] and isinstance(bound[0][0], ast.Lambda):
+        return bound[0][0]
+    return None
+
+
+def _call_lambda(flow, lam: ast.Lambda, args, kws, st, fr) -> EnvVal:
+    """``grad_ctx(i % accum == 0)``: the lambda's body, its parameters bound to the arguments, in the
+    caller's state (``nullcontext() if boundary else model.no_sync()`` then picks by the caller's test)."""
+    from synccheck.analyzer.project.syncflow import St
+    env = dict(st.env)
+    for i, param in enumerate(a.arg for a in lam.args.args):
+        if i < len(args):
+            env[param] = args[i]
+        elif param in kws:
+            env[param] = kws[param]
+        else:
+            env.pop(param, None)
+    inner = St(st.props, env)
+    out = expr(flow, lam.body, inner, fr)
+    st.props = inner.props
+    return out
 
 
 def _on_paths(value: EnvVal, st) -> EnvVal:
