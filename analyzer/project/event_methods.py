@@ -197,6 +197,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return _val(ONE_UNKNOWN)
     if attr in vocab.TENSOR_PASSTHROUGH and recv.prov:
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
+    if attr in vocab.TENSOR_FUNCTIONS and recv.prov:
+        return _val(ONE_UNKNOWN, recv.prov | _prov(*args), False)
     if attr in ("div_", "mul_") and args and isinstance(node.func.value, ast.Name) and \
             node.func.value.id in st.env:
         # ``loss.div_(accum)``: the name itself now holds the divided loss

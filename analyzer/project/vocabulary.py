@@ -59,7 +59,7 @@ ACCUMULATOR = ("GradientAccumulator",)         # synccheck.runtime
 LOCAL_SGD = ("LocalSGD", "PostLocalSGDOptimizer", "PeriodicModelAverager", "HierarchicalModelAverager")
 
 NO_GRAD = frozenset(("torch.no_grad", "torch.inference_mode", "torch.autograd.no_grad",
-                     "torch.autograd.grad_mode.no_grad", "torch.autograd.inference_mode", "torch.enable_grad"))
+                     "torch.autograd.grad_mode.no_grad", "torch.autograd.inference_mode"))
 
 COLLECTIVES = frozenset((
     "barrier", "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
@@ -81,7 +81,15 @@ SELF_RETURNING = frozenset(("to", "cuda", "cpu", "float", "half", "bfloat16", "d
                             "requires_grad_", "to_empty", "share_memory", "type", "xpu", "mps"))
 # Tensor methods that keep a loss what it is (for provenance and scaling).
 TENSOR_PASSTHROUGH = frozenset(("mean", "sum", "float", "double", "half", "to", "squeeze", "clone", "contiguous",
-                                "view", "reshape", "cuda", "unsqueeze", "bfloat16", "abs", "nan_to_num", "type_as"))
+                                "view", "reshape", "cuda", "unsqueeze", "bfloat16", "abs", "nan_to_num", "type_as",
+                                # shape and linear ops between a model's output and its loss (a CLIP loss's
+                                # ``img @ txt.t()``): the gradient still reaches the model, scaled as it was
+                                "t", "transpose", "permute", "flatten", "matmul", "mm", "bmm", "expand", "expand_as",
+                                "repeat", "narrow", "select", "index_select", "masked_fill", "gather", "roll", "neg"))
+# elementwise functions of a model's output (``logits.log_softmax(-1)``, ``(out * w).pow(2)``): the gradient
+# still reaches the model, but the result is a new quantity, divided by nothing (a loss made of it is fresh)
+TENSOR_FUNCTIONS = frozenset(("softmax", "log_softmax", "sigmoid", "tanh", "relu", "square", "pow", "exp", "log",
+                              "sqrt", "logsumexp", "clamp", "clip", "norm"))
 # The words a function must contain (itself or through what it calls) to matter to the sync analysis.
 # Packages whose names the vocabulary knows by their qualified names: an import from them is taken
 # as what its name says (torch.distributed.barrier is a collective), never read from the disk, even
