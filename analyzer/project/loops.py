@@ -156,6 +156,12 @@ class Loops:
                 entry.env[name] = value._replace(version=("phi", info.id))
         head = entry
         end = None
+        # a loop of micro-steps inside a branch that decides whether anything steps (``if do_eval:
+        # return`` / ``else: for step, batch in ...``) has its own schedule: its tests are not "a
+        # check inside the stepping branch" (Flow.if_)
+        outer_gate = fr.gate
+        if outer_gate and self.program.loop_runs_backward(s, fr):
+            fr.gate = False
         for _ in range(MAX_LOOP_ROUNDS):
             ctx.breaks, ctx.continues = [], []
             fr.loops.append(ctx)
@@ -179,6 +185,7 @@ class Loops:
             if _same(new_head, head):
                 break
             head = new_head
+        fr.gate = outer_gate
         exits = list(ctx.breaks)
         if last is not None:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
