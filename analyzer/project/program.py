@@ -254,6 +254,8 @@ class Program(WrappedModels):
             if isinstance(base, ast.Name) and isinstance(scope, Function) and scope.cls is not None and \
                     scope.params and base.id == scope.params[0]:
                 found = self.project.attribute(scope.cls, func.attr)
+                if isinstance(found, Function) and found.is_property:
+                    return None                  # ``self._pytorch_model(batch)``: what the property returns is called
                 if isinstance(found, Function) and found.abstract:
                     # a hook the subclasses fill: what runs is their overrides
                     out = []
