@@ -42,7 +42,7 @@ class ParameterValues:
         if fn.is_method and index == 0:
             if any(_deco(d) == "classmethod" for d in node.decorator_list):
                 return frozenset(Cls(k) for k in self.project.subclasses(fn.cls))
-            return frozenset(Inst(k) for k in self.project.subclasses(fn.cls))
+            return frozenset(Inst(k) for k in self._concrete(self.project.subclasses(fn.cls)))
         out = set()
         annotation = self._annotation(fn, name)
         if annotation:
@@ -65,6 +65,23 @@ class ParameterValues:
         if not callers:
             out.add(Obj((fn.module.path, node.lineno, node.col_offset, name)))
         return frozenset(out)
+
+    def _concrete(self, classes: list) -> list:
+        """The classes an instance of which can run a method: a base that leaves a hook unfilled
+        (``def loss_fn(self, batch): raise NotImplementedError``) is not one when a subclass fills
+        them all (its empty ``on_before_forward`` is not what runs for the subclass that zeroes the
+        gradients there). All of them when none is concrete."""
+        concrete = [k for k in classes if not self._leaves_a_hook(k)]
+        return concrete or classes
+
+    def _leaves_a_hook(self, klass) -> bool:
+        key = ("leaves a hook", klass.uid)
+        found = self._plain.get(key)
+        if found is None:
+            names = {name for k in self.project.mro(klass) for name in k.methods}
+            found = self._plain[key] = any(
+                isinstance(m, Function) and m.abstract for m in (self.project.attribute(klass, n) for n in names))
+        return found
 
     def _spread_keyword(self, call, name: str, scope):
         """``f(**arguments)`` with ``arguments = {"accelerator": accelerator, ...}``: the entry of that
