@@ -193,6 +193,8 @@ def sibling_step(program, fn):
     clip, the step in tools/train_net.py); None when ``fn`` is not such a function."""
     if fn.parent is not None or fn.node.name.startswith("test"):
         return None              # a unit test's loop over devices or dtypes runs one backward each
+    if fn.cls is None and (_TRAINING_WORDS.search(fn.module.text) is None or _reads_grad(fn.node)):
+        return None              # (the test below for a function with no class, before its words are read)
     words = program.fn_words(fn)
     if "backward" not in words or "step" in words or "zero_grad" in words:
         return None
