@@ -80,6 +80,14 @@ def samplers_without_set_epoch(program) -> list:
         for local, (mod, attr, _) in module.imports.items():
             if attr == "DistributedSampler":
                 names.add(local)
+        for klass in module.classes.values():
+            # ``class ShardAwareSampler(DistributedSampler)``: made by its own name
+            if any((b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")).endswith("Sampler")
+                   for b in klass.node.bases) and any(
+                    base.rpartition(".")[2] == "DistributedSampler" for base in program.project.external_bases(klass)):
+                text = module.segment(klass.node) or ""
+                if "__iter__" not in klass.methods and "def __iter__" not in text or "epoch" in text:
+                    names.add(klass.node.name)      # (an order of its own that no epoch seeds needs no set_epoch)
     made = []
     for name in sorted(names):
         for scope, call in values.calls(name):

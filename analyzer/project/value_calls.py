@@ -111,6 +111,10 @@ class CallValues:
                     return frozenset((Framework("accelerate", site, _accumulates(call)),))
                 if base in vocab.FABRIC:
                     return frozenset((Framework("fabric", site, "no", _single_device(call)),))
+                if vocab.tail(base) in vocab.SAMPLER_TAILS and base != qual:
+                    # ``class ShardAwareSampler(DistributedSampler)``: its order is seeded by ``self.epoch`` too
+                    shuffle = next((kw.value for kw in call.keywords if kw.arg == "shuffle"), None)
+                    return frozenset((Sampler(site, isinstance(shuffle, ast.Constant) and shuffle.value is False),))
             return frozenset((Inst(callee.cls),))
         if isinstance(callee, Inst):
             method = self.project.attribute(callee.cls, "__call__")
