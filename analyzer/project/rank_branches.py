@@ -135,6 +135,11 @@ class _RankChecker(RankTests):
                     break
 
     def collective(self, call: ast.Call, scope) -> Optional[str]:
+        if any(kw.arg == "group" and not (isinstance(kw.value, ast.Constant) and kw.value.value is None)
+               for kw in call.keywords):
+            # ``dist.all_reduce(t, group=even_group)``: a collective of a sub-group, which the ranks of
+            # the branch may be exactly (``if rank % 2 == 0`` with ``new_group(range(0, world, 2))``)
+            return None
         func = call.func
         if not isinstance(func, ast.Attribute):
             if isinstance(func, ast.Name) and not self._may_name_collective(func.id, scope):
