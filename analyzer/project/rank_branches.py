@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, parameter_default
-from synccheck.analyzer.project.traversal import children, walk
+from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
 from synccheck.analyzer.project.rank_tests import RankTests, _kind, _negation
 
 class RankCollective(NamedTuple):
@@ -135,8 +135,8 @@ class _RankChecker(RankTests):
                     break
 
     def collective(self, call: ast.Call, scope) -> Optional[str]:
-        if any(kw.arg == "group" and not (isinstance(kw.value, ast.Constant) and kw.value.value is None)
-               for kw in call.keywords):
+        group = next((kw.value for kw in call.keywords if kw.arg == "group"), None)
+        if group is not None and _sub_group(group, scope):
             # ``dist.all_reduce(t, group=even_group)``: a collective of a sub-group, which the ranks of
             # the branch may be exactly (``if rank % 2 == 0`` with ``new_group(range(0, world, 2))``)
             return None
@@ -331,3 +331,22 @@ def _collective_aliases(tree) -> frozenset:
             if last in vocab.COLLECTIVES:
                 out.update(n.id for target in node.targets for n in walk(target) if type(n) is ast.Name)
     return frozenset(out)
+
+
+def _sub_group(group, scope) -> bool:
+    """Is ``group=`` a sub-group of the ranks: made by ``new_group(ranks)`` / ``new_subgroups(...)`` in
+    this scope, or a group we cannot see made (a parameter, an attribute)? Not ``None``,
+    ``dist.group.WORLD``, nor a ``new_group()`` of every rank (a timeout test's group)."""
+    if isinstance(group, ast.Constant) or (isinstance(group, ast.Attribute) and group.attr == "WORLD"):
+        return False
+    made = []
+    if isinstance(group, ast.Name) and isinstance(scope, Function):
+        for node in walk_no_defs(scope.node):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == group.id for t in node.targets):
+                made.append(node.value)
+    for value in made:
+        if isinstance(value, ast.Call):
+            name = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
+            if name == "new_group" and not value.args and not any(kw.arg == "ranks" for kw in value.keywords):
+                return False
+    return True
