@@ -58,7 +58,8 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         callee = callee_val.values
         if len(callee_val.alts) > 1 and flow.program.wrappers(callee):
             return _forward_by_alts(flow, node, callee_val, args, kws, st, fr)
-        if len(callee_val.alts) > 1 and any(isinstance(v, FlowFactory) for v in callee):
+        if len(callee_val.alts) > 1 and any(isinstance(v, FlowFactory) or isinstance(v, FlowPartial) and
+                                            _partial_of_factory(flow, v) for v in callee):
             return _factory_by_alts(flow, node, callee_val, recv, args, kws, st, fr)
     wrappers = flow.program.wrappers(callee)
     if wrappers:
@@ -195,12 +196,17 @@ def _factory_by_alts(flow, node, callee: EnvVal, recv, args, kws, st, fr) -> Env
     for formula, vals in callee.alts:
         for v in sorted(vals, key=repr):
             result = _call_target(flow, node, v, recv, args, kws, st, fr) if isinstance(
-                v, (FlowFactory, Ext)) else None
+                v, (FlowFactory, FlowPartial, Ext)) else None
             if result is None:
                 alts.append((formula, ONE_UNKNOWN))
                 continue
             alts.extend((g & formula, rv) for g, rv in result.alts if g & formula)
     return EnvVal(tuple(alts) or ((TRUE, ONE_UNKNOWN),), _prov(*args, *kws.values()), None, None)
+
+
+def _partial_of_factory(flow, v) -> bool:
+    """A ``functools.partial`` of a sync control's factory (``partial(accelerator.no_sync, model)``)?"""
+    return any(isinstance(t, FlowFactory) for t in flow.partials[v.key][0])
 
 
 def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
@@ -216,6 +222,11 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         for target in fn_vals:
             if isinstance(target, (Func, Bound, Cls, Inst)):
                 out = _call_target(flow, node, target, None, list(p_args) + list(args), {**p_kws, **kws}, st, fr)
+            elif isinstance(target, FlowFactory):
+                # ``partial(model.no_sync)``, ``partial(accelerator.no_sync, model)``: the control, on the
+                # model the partial was given when the factory itself names none
+                models = target.models or (flow.program.wrappers(p_args[0].values) if p_args else frozenset())
+                out = _val(frozenset((FlowCtx(target.effect, models, target.site, target.how + "()"),)))
         return out
     fn, receiver = None, None
     if isinstance(v, Func):
