@@ -193,7 +193,7 @@ def sibling_step(program, fn):
     clip, the step in tools/train_net.py); None when ``fn`` is not such a function."""
     if fn.parent is not None or fn.node.name.startswith("test"):
         return None              # a unit test's loop over devices or dtypes runs one backward each
-    if fn.cls is None and (_TRAINING_WORDS.search(fn.module.text) is None or _reads_grad(fn.node)):
+    if fn.cls is None and (not _says_training(program, fn.module) or _reads_grad(fn.node)):
         return None              # (the test below for a function with no class, before its words are read)
     words = program.fn_words(fn)
     if "backward" not in words or "step" in words or "zero_grad" in words:
@@ -205,12 +205,20 @@ def sibling_step(program, fn):
     steppers = [m for m in fn.cls.methods.values()
                 if m is not fn and "step" in program.fn_words(m) and "backward" not in program.fn_words(m)
                 and not m.node.name.startswith("_") and len(m.params) >= 1] if fn.cls is not None else []
-    if len(steppers) > 1 or (not steppers and (_TRAINING_WORDS.search(fn.module.text) is None or
-                                                _reads_grad(fn.node))):
+    if len(steppers) > 1 or (not steppers and (not _says_training(program, fn.module) or _reads_grad(fn.node))):
         return None
     if fn.node.name not in ("__call__", "forward") and called_in_view(program, fn.node.name):
         return None
     return steppers[0] if steppers else OUT_OF_VIEW
+
+
+def _says_training(program, module) -> bool:
+    """Does the module's text say how it trains (_TRAINING_WORDS)? Read once per module."""
+    known = program.__dict__.setdefault("_says_training", {})
+    found = known.get(module.path)
+    if found is None:
+        found = known[module.path] = _TRAINING_WORDS.search(module.text) is not None
+    return found
 
 
 def _reads_grad(node) -> bool:
