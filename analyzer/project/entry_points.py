@@ -30,6 +30,8 @@ def called_in_view(program, name: str) -> bool:
                     continue                       # ``my_optimize(`` is another name
                 if text.startswith(definition, start - 4):
                     continue
+                if "#" in text[text.rfind("\n", 0, start) + 1:start]:
+                    continue                       # ``# ... agent.train_step()`` in a comment
                 return True
     return False
 
@@ -54,7 +56,7 @@ def _gates_itself(program, fn) -> bool:
     if found is None:
         segment = fn.module.segment(fn.node)
         found = False
-        if "step(" in segment and ("%" in segment or "+=" in segment):
+        if "step(" in segment and ("%" in segment or "+=" in segment or "accum" in segment):
             counters = _Counters(program, fn)
             for node in _walk(fn.node.body):
                 if isinstance(node, ast.If) and _is_counter_test(node.test, counters) and \
@@ -134,10 +136,19 @@ class _Counters:
     def __contains__(self, name: str) -> bool:
         names = self.known.get(id(self.scope))
         if names is None:
-            names = self.known[id(self.scope)] = {
-                _dotted(node.target) for node in walk(self.scope)
-                if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add)}
+            names = self.known[id(self.scope)] = set()
+            for node in walk(self.scope):
+                if isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+                    names.add(_dotted(node.target))
+                elif isinstance(node, ast.Assign) and len(node.targets) == 1 and _wraps_around(node.value):
+                    names.add(_dotted(node.targets[0]))    # ``self.n = (self.n + 1) % self.update_freq``
         return name in names
+
+
+def _wraps_around(value) -> bool:
+    """``(x + 1) % n``: a counter that goes round."""
+    return isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mod) and isinstance(value.left, ast.BinOp) and \
+        isinstance(value.left.op, ast.Add)
 
 
 def _dotted(node) -> str:
