@@ -314,7 +314,9 @@ def made_per_call(values: frozenset, made_at: set, caller_site) -> frozenset:
     """The objects made at one of ``made_at`` (calls in a return statement), as the caller at
     ``caller_site`` gets them: its own (see ValueCalls._made_per_call; the flow does the same at the
     ``return`` of a function it analyses in place)."""
-    if not made_at or not any(isinstance(v, Obj) and v.site in made_at for v in values):
+    # (an object a factory got from a factory it called is made at that call too: ``return
+    # _instantiate_node(...)`` returning what ``return _component_(*args)`` made)
+    if not made_at or not any(isinstance(v, Obj) and v.site[:3] in made_at for v in values):
         return values
-    return frozenset(Obj(caller_site + ("returned", v.site)) if isinstance(v, Obj) and v.site in made_at else v
+    return frozenset(Obj(caller_site + ("returned", v.site)) if isinstance(v, Obj) and v.site[:3] in made_at else v
                      for v in values)
