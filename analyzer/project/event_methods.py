@@ -32,6 +32,9 @@ def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
     if qual in ("torch.autograd.backward",) and args:
         backward(flow, node, args[0], "torch.autograd.backward", st, fr)
         return NONE_VAL
+    if qual in ("torch.div", "torch.divide", "torch.true_divide", "torch.mul", "torch.multiply") and args and \
+            (args[0].prov or args[0].scaled is not None):
+        return _val(ONE_UNKNOWN, args[0].prov, True)      # ``torch.div(loss, accum)``: as ``loss / accum``
     if qual.startswith("torch.distributed.") and last in vocab.COLLECTIVES:
         collective(flow, node, last, st, fr)
         return None
@@ -204,8 +207,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         # ``loss.div_(accum)``: the name itself now holds the divided loss
         name = node.func.value.id
         st.env[name] = st.env[name]._replace(scaled=True)
-    if attr in ("div", "div_", "mul", "mul_", "true_divide") and recv.prov:
-        return _val(ONE_UNKNOWN, recv.prov, True)
+    if attr in ("div", "div_", "mul", "mul_", "true_divide", "divide") and (recv.prov or recv.scaled is not None):
+        return _val(ONE_UNKNOWN, recv.prov, True)          # ``loss.div(accum)``, the model's or not
     if attr == "average_parameters" or (attr in vocab.GRAD_SYNC and not project_method):
         collective(flow, node, attr, st, fr)
         return NONE_VAL
