@@ -96,10 +96,11 @@ def _read(path: str, content_key, imported_names, rules, force: bool = False):
     key = content_key(data)
     if not force and not any(w in data for w in PROJECT_WORDS) and not any(w in data for w in DRIVER_WORDS) and \
             b"\0" not in data[:8192]:
-        # nothing here a rule could use: not even decoded. A class made of project classes (``class
-        # Trainer(TrainingLoopMixin, DeviceMixin)``) may still join two files that are: its imports
-        # are kept for that (engine._joined)
-        joins = imported_names(data) if b"class " in data and b"import" in data else []
+        # nothing here a rule could use: not even decoded. It may still join two files that are (a
+        # ``class Trainer(TrainingLoopMixin, DeviceMixin)``; a ``main.py`` that builds the model with
+        # one module's factory and hands it to another's trainer): its imports are kept for that
+        # (engine._joined)
+        joins = imported_names(data) if b"import" in data else []
         return _Entry(path, key, False, joins), None
     text, error = decode_source(path, data)
     if error is not None:
