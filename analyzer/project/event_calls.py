@@ -10,6 +10,7 @@ values on different paths is each of them on its own path.
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function
@@ -67,6 +68,13 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     inner = frozenset(v.wrapper for v in callee if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
     if inner and all(isinstance(v, Inner) for v in callee):
         return inner_forward(flow, node, inner, args, kws, st, fr)
+    if recv is not None and _FORWARD_METHOD.search(func.attr) and any(isinstance(v, Inner) for v in recv.values) \
+            and not _project_method(flow, recv.values, func.attr):
+        # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training
+        # step computes the loss without the wrapper's forward, as ``model.module(x)`` does
+        inner = frozenset(v.wrapper for v in recv.values if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
+        if inner:
+            return inner_forward(flow, node, inner, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
             flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
@@ -374,6 +382,15 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
             return True
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+# methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
+_FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
+
+
+def _project_method(flow, values, name: str) -> bool:
+    """Is ``name`` a method the analysis can read on these values (then it is followed instead)?"""
+    return any(isinstance(v, Inst) and flow.project.attribute(v.cls, name) is not None for v in values)
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
