@@ -16,7 +16,7 @@ from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, qualified_name
 from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _named, _parameter_sources,
                                                       _single_device, _strings, _text, _truthy)
-from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bound, Cls, Const, Ctx,
+from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
                                                     site_of)
@@ -164,6 +164,11 @@ class CallValues:
         if qual in ("torch.compile", "torch.jit.script", "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
                     "copy.deepcopy") and call.args:
             return self.expr(call.args[0], scope)
+        if qual in ("list", "tuple") and len(call.args) == 1 and not call.keywords:
+            # ``model, *optimizers = list(accelerator.prepare(model, *optimizers))``: the same items
+            got = self.expr(call.args[0], scope)
+            if any(isinstance(v, (Tup, Bag)) for v in got):
+                return got
         if qual == "getattr" and len(call.args) >= 2:
             base = self.expr(call.args[0], scope)
             out = set(self.expr(call.args[2], scope)) if len(call.args) > 2 else set()
