@@ -370,12 +370,14 @@ def _whole_range(node, loop) -> Optional[bool]:
     if len(node.ops) != 1 or loop.info.start != 0:
         return None
     left, right, op = node.left, node.comparators[0], node.ops[0]
-    if not (isinstance(left, ast.Name) and left.id == loop.counter and ast.dump(right) == loop.bound):
+    if not (isinstance(left, ast.Name) and left.id == loop.counter):
         return None
-    if isinstance(op, ast.Lt):
-        return True
-    if isinstance(op, ast.GtE):
-        return False
+    if ast.dump(right) == loop.bound:
+        return True if isinstance(op, ast.Lt) else False if isinstance(op, ast.GtE) else None
+    # ``t <= n - 1`` (always: the ExitStack's no_sync entered on the last chunk too), ``t > n - 1`` (never)
+    if isinstance(right, ast.BinOp) and isinstance(right.op, ast.Sub) and ast.dump(right.left) == loop.bound and \
+            isinstance(right.right, ast.Constant) and right.right.value == 1:
+        return True if isinstance(op, ast.LtE) else False if isinstance(op, ast.Gt) else None
     return None
 
 
