@@ -290,9 +290,11 @@ def _loop_head(node, flow) -> str:
 
 
 def _steps_each(loop) -> bool:
-    """``for opt in opts: opt.step()``: a loop over optimizers, which runs at least once."""
+    """``for opt in opts: opt.step()`` (or ``opt.zero_grad()``): a loop over optimizers, which runs at
+    least once."""
     return _acts_on_each(loop, lambda n, name: isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
-                         n.func.attr == "step" and isinstance(n.func.value, ast.Name) and n.func.value.id == name)
+                         n.func.attr in ("step", "zero_grad") and isinstance(n.func.value, ast.Name) and
+                         n.func.value.id == name)
 
 
 def _flags_each(loop) -> bool:
