@@ -107,12 +107,8 @@ class WrappedModels:
                     for v in self.values.expr(call, scope):
                         for w in _wrappers_in(v):
                             for inner in self.values.wrapped_by(w):
-                                # (an instance of a project class is known by its class: ``Net()``; a
-                                # name of another module bound where we cannot see, a comprehension's
-                                # ``item`` in a factory, is no one object: wrapping it would wrap whatever
-                                # else it stands for)
-                                if isinstance(inner, Inst) or isinstance(inner, Obj) and (
-                                        inner.site[1] != "<free>" or inner.site[0] == self.values.module_of(scope).path):
+                                # (an instance of a project class is known by its class: ``Net()``)
+                                if isinstance(inner, (Obj, Inst)):
                                     self._wrapping.setdefault(inner, set()).add(w)
         return self._wrapping
 
