@@ -262,8 +262,9 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
                 if entry is not None and entry.gated:
                     entry.linted = False
                     candidates[os.path.abspath(other)] = entry
-    groups = Components(paths).build({p: e.imports for p, e in candidates.items()}, read_imports)
-    groups = _joined(groups, entries, candidates, paths)
+    components = Components(paths)
+    groups = components.build({p: e.imports for p, e in candidates.items()}, read_imports)
+    groups = components.join(groups, {p: e.imports for p, e in entries.items() if not e.gated and e.imports})
     work = []
     for group in groups:
         members = []
@@ -304,48 +305,6 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         if cache is not None and not any(e.message.startswith("not checked") for e in errors):
             cache.put(key, findings, errors, deps)      # (an internal error is not kept: the next run tries again)
     return result
-
-
-def _joined(groups: list, entries: dict, candidates: dict, paths) -> list:
-    """Components joined by a linted file with none of our words that imports files of two or more of
-    them (``class Trainer(TrainingLoopMixin, DeviceMixin)``: the loop in one, the DDP wrapper in the
-    other): one component, that file in it (analysed like the others)."""
-    from synccheck.analyzer.imports import module_paths
-    where = {p: i for i, group in enumerate(groups) for p in group}
-    roots = None
-    parent = list(range(len(groups)))
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    joiners: dict = {}
-    for apath, entry in entries.items():
-        if entry.gated or not entry.imports or apath in where:
-            continue
-        if roots is None:
-            roots = [os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in paths]
-        joined = set()
-        for level, name in entry.imports:
-            for target in module_paths(apath, level, name, roots):
-                if target in where:
-                    joined.add(find(where[target]))
-                    break
-        if len(joined) >= 2:
-            first, *rest = sorted(joined)
-            for other in rest:
-                parent[find(other)] = find(first)
-            joiners[apath] = first
-    if not joiners:
-        return groups
-    merged: dict = {}
-    for i, group in enumerate(groups):
-        merged.setdefault(find(i), []).extend(group)
-    for apath, first in joiners.items():
-        merged[find(first)].append(apath)
-    return list(merged.values())
 
 
 def _read_files(args) -> list:

@@ -196,6 +196,34 @@ class Components:
         return [g for g in groups.values() if any(p in files for p in g)]
 
 
+    def join(self, groups: list, others: dict) -> list:
+        """``groups`` (from build), joined by the files of ``others`` (abspath -> imports: linted files
+        with none of our words) that import files of two or more of them (``class Trainer(LoopMixin,
+        DeviceMixin)``: the loop in one, the DDP wrapper in the other); such a file joins the group."""
+        members = [p for group in groups for p in group]
+        where = set(members)
+        joiners = []
+        for path, imports in others.items():
+            if path in where:
+                continue
+            hit = set()
+            for level, name in imports:
+                for target in module_paths(path, level, name, self.roots):
+                    if target in where:
+                        hit.add(self.find(target))
+                        break
+            if len(hit) >= 2:
+                for root in hit:
+                    self.union(path, root)
+                joiners.append(path)
+        if not joiners:
+            return groups
+        out: dict = {}
+        for path in members + joiners:
+            out.setdefault(self.find(path), []).append(path)
+        return list(out.values())
+
+
 def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:
     """Files in the folder of ``path`` (and of its package root) that import it: context for a lint
     of single files."""

@@ -65,16 +65,14 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     wrappers = flow.program.wrappers(callee)
     if wrappers:
         return forward(flow, node, wrappers, args, kws, st, fr)
-    inner = frozenset(v.wrapper for v in callee if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
+    inner = _inner_wrappers(callee)
     if inner and all(isinstance(v, Inner) for v in callee):
         return inner_forward(flow, node, inner, args, kws, st, fr)
-    if recv is not None and _FORWARD_METHOD.search(func.attr) and any(isinstance(v, Inner) for v in recv.values) \
-            and not _project_method(flow, recv.values, func.attr):
-        # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training
-        # step computes the loss without the wrapper's forward, as ``model.module(x)`` does
-        inner = frozenset(v.wrapper for v in recv.values if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
-        if inner:
-            return inner_forward(flow, node, inner, args, kws, st, fr)
+    # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training step
+    # computes the loss without the wrapper's forward, as ``model.module(x)`` does
+    inner = _inner_wrappers(recv.values) if recv is not None and _FORWARD_METHOD.search(func.attr) else None
+    if inner and not _project_method(flow, recv.values, func.attr):
+        return inner_forward(flow, node, inner, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
             flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
@@ -384,13 +382,13 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
 
 
+def _inner_wrappers(values) -> frozenset:
+    """The DDP / accelerate wrappers whose inner module (``model.module``) is among these values."""
+    return frozenset(v.wrapper for v in values if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
+
+
 # methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
 _FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
-
-
-def _project_method(flow, values, name: str) -> bool:
-    """Is ``name`` a method the analysis can read on these values (then it is followed instead)?"""
-    return any(isinstance(v, Inst) and flow.project.attribute(v.cls, name) is not None for v in values)
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
@@ -484,5 +482,5 @@ from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowF
                                                _property_test,
                                                _deco, _prov, _val, expr)
 from synccheck.analyzer.project.state import origin_of
-from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler
+from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
 from synccheck.analyzer.project.micro_step import forward, inner_forward

@@ -84,13 +84,19 @@ def _native_scaler(flow, node, args, kws, st, fr) -> EnvVal:
     return NONE_VAL
 
 
+def _project_method(flow, values, name: str) -> bool:
+    """Is ``name`` a method the analysis can read on these values (then it is followed, not taken for
+    the library's method of that name)?"""
+    return any(isinstance(v, Inst) and flow.project.attribute(v.cls, name) is not None for v in values)
+
+
 def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[EnvVal]:
     """Methods that are events whatever their receiver's class: backward, step, zero_grad, no_sync..."""
     vals = recv.values
     program = flow.program
     site = site_of(fr.module, node)
     frameworks = {v.kind for v in vals if isinstance(v, Framework)}
-    project_method = any(isinstance(v, Inst) and flow.project.attribute(v.cls, attr) is not None for v in vals)
+    project_method = _project_method(flow, vals, attr)
     if attr == "backward" and not project_method:
         if not args and kws.get("loss") is not None:
             args = [kws["loss"]]            # ``booster.backward(loss=loss, optimizer=optimizer)``

@@ -113,8 +113,7 @@ class CallValues:
                     return frozenset((Framework("fabric", site, "no", _single_device(call)),))
                 if vocab.tail(base) in vocab.SAMPLER_TAILS and base != qual:
                     # ``class ShardAwareSampler(DistributedSampler)``: its order is seeded by ``self.epoch`` too
-                    shuffle = next((kw.value for kw in call.keywords if kw.arg == "shuffle"), None)
-                    return frozenset((Sampler(site, isinstance(shuffle, ast.Constant) and shuffle.value is False),))
+                    return _sampler(call, site)
             return frozenset((Inst(callee.cls),))
         if isinstance(callee, Inst):
             method = self.project.attribute(callee.cls, "__call__")
@@ -144,8 +143,7 @@ class CallValues:
         if last in vocab.NATIVE_SCALER_TAILS:
             return frozenset((NativeScaler(site),))
         if last in vocab.SAMPLER_TAILS:
-            shuffle = next((kw.value for kw in call.keywords if kw.arg == "shuffle"), None)
-            return frozenset((Sampler(site, isinstance(shuffle, ast.Constant) and shuffle.value is False),))
+            return _sampler(call, site)
         if last in vocab.LOADER_TAILS:
             self.sites[site] = (call, scope)
             return frozenset((Loader(site),))
@@ -313,6 +311,12 @@ class CallValues:
         if arg is None:
             return EMPTY
         return self.expr(arg, scope)
+
+
+def _sampler(call: ast.Call, site) -> frozenset:
+    """The DistributedSampler (or a subclass) ``call`` makes; ``shuffle=False`` says no epoch reseeds it."""
+    shuffle = next((kw.value for kw in call.keywords if kw.arg == "shuffle"), None)
+    return frozenset((Sampler(site, isinstance(shuffle, ast.Constant) and shuffle.value is False),))
 
 
 def made_per_call(values: frozenset, made_at: set, caller_site) -> frozenset:
