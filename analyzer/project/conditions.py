@@ -366,14 +366,17 @@ def _swap(n, assigns: dict, bound: str, swapped: list):
 
 
 def _whole_range(node, loop) -> Optional[bool]:
-    """``t < n`` (always) or ``t >= n`` (never) for a loop counting ``t`` from 0 to ``n``."""
+    """``t < n`` (always) or ``t >= n`` / ``t == n`` (never) for a loop counting ``t`` from 0 to ``n``."""
     if len(node.ops) != 1 or loop.info.start != 0:
         return None
     left, right, op = node.left, node.comparators[0], node.ops[0]
     if not (isinstance(left, ast.Name) and left.id == loop.counter):
         return None
     if ast.dump(right) == loop.bound:
-        return True if isinstance(op, ast.Lt) else False if isinstance(op, ast.GtE) else None
+        # ``t < n`` / ``t != n`` / ``t <= n`` always hold; ``t == n`` (an off-by-one: ``sync = micro ==
+        # accum``), ``t >= n`` and ``t > n`` never do
+        return True if isinstance(op, (ast.Lt, ast.NotEq, ast.LtE)) else \
+            False if isinstance(op, (ast.GtE, ast.Eq, ast.Gt)) else None
     # ``t <= n - 1`` (always: the ExitStack's no_sync entered on the last chunk too), ``t > n - 1`` (never)
     if isinstance(right, ast.BinOp) and isinstance(right.op, ast.Sub) and ast.dump(right.left) == loop.bound and \
             isinstance(right.right, ast.Constant) and right.right.value == 1:
