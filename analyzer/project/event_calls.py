@@ -121,6 +121,17 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             models |= flow.program.wrappers(a.values)
         if models:
             return forward(flow, node, models, args, kws, st, fr)
+    if recv is not None and not targets and _LOSS_METHOD.search(func.attr) and \
+            (_opaque_object(recv.values) or all(isinstance(v, Unknown) for v in recv.values)) and \
+            not _prov(*args, *kws.values()):
+        # a method of an object we cannot see into that computes a loss with the model it is handed
+        # (DiT's ``diffusion.training_losses(model, x, t)``): it runs the model's forward. (Other
+        # methods handed the model -- ``ema.update(model)``, ``wandb.watch(model)`` -- do not.)
+        models = frozenset()
+        for a in list(args) + list(kws.values()):
+            models |= flow.program.wrappers(a.values)
+        if models:
+            return forward(flow, node, models, args, kws, st, fr)
     prov = _prov(*args, *kws.values())
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
@@ -388,6 +399,8 @@ def _inner_wrappers(values) -> frozenset:
 
 
 # methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
+# methods that compute a loss from the model they are handed
+_LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
 _FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
 
 
