@@ -229,6 +229,8 @@ class Program(WrappedModels):
                     out.add("exit")
                 elif t is ast.Attribute and isinstance(node.ctx, ast.Store) and node.attr == "require_backward_grad_sync":
                     out.add("require_backward_grad_sync")
+                elif t is ast.Attribute and node.attr == "no_sync" and isinstance(node.ctx, ast.Load):
+                    out.add("no_sync")           # ``maybe_no_sync = model.no_sync``, entered later
         return frozenset(out)
 
     def syntactic_targets(self, call: ast.Call, scope) -> Optional[list]:

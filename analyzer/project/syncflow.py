@@ -32,7 +32,8 @@ from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms, depends_on
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
 from synccheck.analyzer.project.value_calls import made_per_call
-from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, site_of
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, Ext, Tup, Wrapper, site_of
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
 from synccheck.analyzer.project.entry_points import per_call_loop, then_call
@@ -45,6 +46,10 @@ _DISTRIBUTED_WORDS = re.compile(r"num_processes|world_size|distributed|multi_gpu
 MAX_DEPTH = 8
 MAX_WORK = 60_000          # statements executed per root, inlined calls included
 UNKNOWN_VAL = EnvVal(((TRUE, ONE_UNKNOWN),))
+
+
+# wrappers whose kind the code decides (a test of their class can tell them apart)
+DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2"))
 
 
 class Flow(Loops):
@@ -231,11 +236,43 @@ class Flow(Loops):
             true, false = TRUE, 0       # the run with no data-parallel model has nothing to check
         outer_gate = fr.gate
         fr.gate = outer_gate or gate
-        body = self.block(s.body, self.restrict(st.copy(), true), fr) if true else None
-        orelse = self.block(s.orelse, self.restrict(st.copy(), false), fr) if false else None
+        body_st = self.restrict(st.copy(), true) if true else None
+        else_st = self.restrict(st.copy(), false) if false else None
+        if "isinstance" in (fr.module.segment(s.test) or ""):
+            self._narrow(s.test, body_st, else_st, fr)
+        body = self.block(s.body, body_st, fr) if true else None
+        orelse = self.block(s.orelse, else_st, fr) if false else None
         fr.gate = outer_gate
         exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
         return self.join([body, orelse], (true, false) if exact else None)
+
+    def _narrow(self, test, body: Optional[St], orelse: Optional[St], fr: Frame) -> None:
+        """``if isinstance(model, FSDP) and i < n - 1: ctx = model.no_sync``: inside the branch the model
+        is an FSDP one, so a DDP model on the other paths is not the one ``no_sync`` names (open_lm);
+        in the ``else`` of a lone test it is anything but. Wrappers whose kind is decided at run time
+        (accelerate's) stay on both sides."""
+        tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+        for c in tests:
+            if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "isinstance" and
+                    len(c.args) == 2 and isinstance(c.args[0], ast.Name)):
+                continue
+            classes = self.values.expr(c.args[1], fr.scope)
+            classes = frozenset(x for v in classes for x in (
+                frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
+            kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
+            if not kinds or "" in kinds:
+                continue
+            name = c.args[0].id
+            sides = ((body, True),) + (((orelse, False),) if len(tests) == 1 else ())
+            for side, holds in sides:
+                if side is None:
+                    continue
+                known = side.env.get(name) or EnvVal(((TRUE, self.values.name(name, fr.scope, c.lineno)),))
+                alts = tuple((g, frozenset(v for v in vals if not (isinstance(v, Wrapper) and v.kind in DECIDED_KINDS
+                                                                  and (v.kind in kinds) != holds)))
+                             for g, vals in known.alts)
+                if alts != known.alts:
+                    side.env[name] = known._replace(alts=alts)
 
     def _without_switches(self, s: ast.If, fr: Frame):
         """``if world_size > 1 and hasattr(model, "no_sync") and i < n - 1: return model.no_sync()``:
