@@ -204,7 +204,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return _val(frozenset(Inner(w) if isinstance(w, Wrapper) else w for w in args[0].values))
     if attr in ("detach", "item", "tolist", "cpu", "numpy") and not program.wrappers(vals):
         return _val(ONE_UNKNOWN)
-    if attr in vocab.TENSOR_PASSTHROUGH and recv.prov:
+    if attr in vocab.TENSOR_PASSTHROUGH and (recv.prov or recv.scaled):
+        # (a loss already divided stays divided through ``.float()``, whatever model made it)
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
     if attr in vocab.TENSOR_FUNCTIONS and recv.prov:
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), False)
