@@ -45,6 +45,7 @@ def _rank_if_lines(text: str):
     """(end offset, indentation) of each ``if``/``elif`` line that tests a rank. Found with str.find on
     the rank words, not a regex over the whole file: this runs on every candidate file, unparsed."""
     seen = set()
+    bound = set()           # ``should_write = dist.get_rank() == 0``: names that hold a rank test
     for word in RANK_WORDS:
         start = text.find(word)
         while start != -1:
@@ -59,7 +60,21 @@ def _rank_if_lines(text: str):
                 if stripped.startswith(("if ", "if(", "elif ", "elif(")) and code.endswith(":") \
                         and RANK_TEST.search(code):
                     yield line_end, len(line) - len(line.lstrip())
+                else:
+                    held = _HOLDS_TEST.match(code)
+                    if held and RANK_TEST.search(held.group(2)):
+                        bound.add(held.group(1))
             start = text.find(word, line_end)
+    for name in bound:
+        if RANK_TEST.fullmatch(name):
+            continue                        # (its ``if`` lines were found above)
+        test = re.compile(r"^([ \t]*)(?:el)?if[ \t(]+(?:not[ \t]+)?" + re.escape(name) + r"\b[^\n]*:[ \t]*(?:#[^\n]*)?$", re.M)
+        for match in test.finditer(text):
+            yield match.end(), len(match.group(1))
+
+
+# ``name = <expression>`` on one line (not ``==``): a test stored under a name of the code's choosing
+_HOLDS_TEST = re.compile(r"^[ \t]*(\w+)[ \t]*(?::[^=]*)?=(?!=)(.*)$")
 
 
 class _CollectiveFunctions:
@@ -150,7 +165,12 @@ def _rank_branch_calls_imported(text: str) -> bool:
         imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
     if not imported:
         return False
-    return any(imported.intersection(CALLED.findall(body)) for body in _rank_blocks(text))
+    return any(imported.intersection(CALLED.findall(body)) or imported.intersection(MODULE_CALLED.findall(body))
+               for body in _rank_blocks(text))
+
+
+# ``comm.synchronize()``: a function of a project module imported whole (``from utils import comm``)
+MODULE_CALLED = re.compile(r"(?<![\w.])(\w+)\.\w+\s*\(")
 
 
 def _rank_blocks(text: str):
