@@ -160,14 +160,38 @@ def _has_epoch_loop(program) -> bool:
                 target = ast.unparse(node.target) if isinstance(node, ast.For) else ""
                 if "epoch" in target.lower():
                     return True
-                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)):
+                if _counts(node, module) and any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)):
                     return True
     return False
 
 
+def _counts(loop, module) -> bool:
+    """A loop that may run epochs: ``while``, or ``for`` over a count (``range(n)``, ``itertools.count()``,
+    ``tqdm(range(n))``, a name bound to one: ``train_iterator = trange(...)``). One over data (``for
+    batch in loader: for img in batch:``) runs a single pass."""
+    if isinstance(loop, ast.While):
+        return True
+    it = loop.iter
+    if isinstance(it, ast.Name):
+        return re.search(r"^[ \t]*" + re.escape(it.id) + r"[ \t]*=[ \t]*(?:[\w.]*\.)?(?:trange|range|count|tqdm[ \t]*\([ \t]*range)\b",
+                         module.text, re.M) is not None
+    while isinstance(it, ast.Call) and it.args and _callee_name(it) in ("tqdm", "trange", "enumerate"):
+        if _callee_name(it) == "trange":
+            return True
+        it = it.args[0]
+    return isinstance(it, ast.Call) and _callee_name(it) in ("range", "count", "trange")
+
+
+def _callee_name(call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
 def _assigned_name(module, call) -> str:
     for node in walk(module.tree):
-        if isinstance(node, ast.Assign) and node.value is call:
+        if isinstance(node, ast.Assign) and (node.value is call or isinstance(node.value, (ast.IfExp, ast.BoolOp)) and
+                                             any(sub is call for sub in ast.walk(node.value))):
+            # (``val_sampler = DistributedSampler(valset) if distributed else None`` too)
             return ast.unparse(node.targets[0])
     return "the sampler"
 
