@@ -212,7 +212,7 @@ class Flow(Loops):
 
     # -- branches ----------------------------------------------------------------------------------------
     def if_(self, s: ast.If, st: St, fr: Frame):
-        relevant = self.program.relevant_branch(s, fr)
+        relevant = self.program.relevant_branch(s, fr) and not self._exit_outside_training(s, fr)
         true, false = self.conds.cond(self._without_switches(s, fr), st, fr, relevant)
         gate = relevant and self.program.decides_step(s, fr)
         if gate and fr.gate:
@@ -245,6 +245,19 @@ class Flow(Loops):
         fr.gate = outer_gate
         exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
         return self.join([body, orelse], (true, false) if exact else None)
+
+    def _exit_outside_training(self, s: ast.If, fr: Frame) -> bool:
+        """``if dataset_n_tokens < minimum: raise ValueError(...)`` before the training loop, or ``if not
+        isinstance(module, nn.Linear): continue`` in a loop over a model's modules: a branch whose only
+        event is leaving, where no running loop does anything a micro-step does. What it decides is
+        whether the run goes on at all, not which micro-steps step: it takes no atom (the table is
+        small, and the training loop's own tests come after)."""
+        program = self.program
+        if (program.words(s.body, fr.scope) | program.words(s.orelse, fr.scope)) - {"call", "exit"}:
+            return False
+        if len(self.loop_stack) > len(fr.loops):
+            return False                 # a caller's loop is running: a ``return`` may skip its step
+        return not any(program.words(ctx.info.node.body, fr.scope) - program.CALLS_ONLY for ctx in fr.loops)
 
     def _narrow(self, test, body: Optional[St], orelse: Optional[St], fr: Frame) -> None:
         """``if isinstance(model, FSDP) and i < n - 1: ctx = model.no_sync``: inside the branch the model
