@@ -39,6 +39,33 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         return _val(ONE_UNKNOWN)
     args = [expr(flow, a, st, fr) for a in node.args]
     kws = {kw.arg: expr(flow, kw.value, st, fr) for kw in node.keywords}
+    if recv is not None and func.attr == "step":
+        lib = _library_steppers(flow, recv.values)
+        if lib:
+            # ``optimizer.step()`` where the optimizer is a library's on some paths (``torch.optim.Adam``)
+            # and a project class with its own ``step`` on others (GaLore's bitsandbytes subclass): each
+            # is a path, as a callee that may be any of several methods is. (The project class's
+            # ``step`` alone used to decide the call, and the library optimizers' step was lost.)
+            stepped = st.copy()
+            micro_step(flow, node, lib, stepped, fr)
+            own = recv._replace(alts=tuple((g, vs - lib) for g, vs in recv.alts if vs - lib))
+            rest = st.copy()
+            result = _call_on(flow, node, func, own, args, kws, rest, fr)
+            joined = flow.join([stepped, rest])
+            st.props = joined.props if joined is not None else {}
+            return result
+    return _call_on(flow, node, func, recv, args, kws, st, fr)
+
+
+def _library_steppers(flow, vals) -> frozenset:
+    """The library optimizers (and DeepSpeed engines) among a ``.step()`` receiver's values, when
+    others are project objects with a ``step`` of their own; empty otherwise."""
+    if not _project_method(flow, vals, "step"):
+        return frozenset()
+    return frozenset(v for v in vals if isinstance(v, Optim) or isinstance(v, Wrapper) and v.kind == "deepspeed")
+
+
+def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     if recv is not None:
         handled = _method(flow, node, func.attr, recv, args, kws, st, fr)
         if handled is not None:
@@ -497,3 +524,4 @@ from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowF
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
 from synccheck.analyzer.project.micro_step import forward, inner_forward
+from synccheck.analyzer.project.micro_step import step as micro_step

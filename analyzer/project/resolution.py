@@ -164,7 +164,13 @@ class Resolution:
             out = []
             for base in klass.node.bases:
                 sym = self.resolve_expr(klass.module, base)
-                if sym is not None:
+                if isinstance(sym, GlobalRef):
+                    # ``AdamW = _adamw.AdamW`` then ``class AdamWFP32Copy(AdamW)``: the class the
+                    # module-level alias is bound to (each binding of it, if several)
+                    out.extend(found for value in sym.module.globals.get(sym.name, ())
+                               if (found := self.resolve_expr(sym.module, value)) is not None
+                               and not isinstance(found, GlobalRef) and found is not klass)
+                elif sym is not None:
                     out.append(sym)
                 elif isinstance(base, ast.Name):
                     out.extend(self._local_base(klass, base.id))
