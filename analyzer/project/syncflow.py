@@ -256,7 +256,10 @@ class Flow(Loops):
         if (program.words(s.body, fr.scope) | program.words(s.orelse, fr.scope)) - {"call", "exit"}:
             return False
         if len(self.loop_stack) > len(fr.loops):
-            return False                 # a caller's loop is running: a ``return`` may skip its step
+            # a caller's loop is running: a ``return`` may skip what the rest of this function does,
+            # unless it does nothing a micro-step does (a loss function's ``if self.loss_type == ...:
+            # return ...``, where the model's forward is only a call)
+            return isinstance(fr.scope, Function) and not (program.fn_words(fr.scope) - program.CALLS_ONLY)
         return not any(program.words(ctx.info.node.body, fr.scope) - program.CALLS_ONLY for ctx in fr.loops)
 
     def _narrow(self, test, body: Optional[St], orelse: Optional[St], fr: Frame) -> None:
