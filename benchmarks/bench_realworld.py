@@ -87,7 +87,9 @@ def extract(mirror: Path, repo: str, commit: str, work: Path) -> Path:
 def lint(target: Path, cwd: Path) -> tuple:
     """(findings by path, seconds) from `synccheck lint --format json` run as a user would."""
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "synccheck", "lint", "--isolated", "--no-cache", "--exit-zero",
+    # (-P: the script's folder is not put first on sys.path, so a `json.py` or `typing.py` of the repository
+    # linted cannot shadow the standard library synccheck imports)
+    proc = subprocess.run([sys.executable, "-P", "-m", "synccheck", "lint", "--isolated", "--no-cache", "--exit-zero",
                            "--format", "json", str(target)], capture_output=True, text=True, cwd=str(cwd))
     seconds = time.perf_counter() - start
     if proc.returncode not in (0, 1):
