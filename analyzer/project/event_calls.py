@@ -140,20 +140,14 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
             out = EnvVal(out.alts + r.alts, out.prov | r.prov, out.scaled if out.scaled == r.scaled else None,
                          out.cond if out.cond == r.cond else None)
         return out
-    if _opaque_object(callee) and not _prov(*args, *kws.values()):
-        # an object we cannot see into, called with the model and no output of it: it runs the
-        # model's forward (``loss = self.imagen(x, unet=self.unet)``, ``loss = criterion(model, batch)``)
-        models = frozenset()
-        for a in list(args) + list(kws.values()):
-            models |= flow.program.wrappers(a.values)
-        if models:
-            return forward(flow, node, models, args, kws, st, fr)
-    if recv is not None and not targets and _LOSS_METHOD.search(func.attr) and \
-            (_opaque_object(recv.values) or all(isinstance(v, Unknown) for v in recv.values)) and \
+    if (_opaque_object(callee) or recv is not None and not targets and _LOSS_METHOD.search(func.attr) and
+            (_opaque_object(recv.values) or all(isinstance(v, Unknown) for v in recv.values))) and \
             not _prov(*args, *kws.values()):
-        # a method of an object we cannot see into that computes a loss with the model it is handed
-        # (DiT's ``diffusion.training_losses(model, x, t)``): it runs the model's forward. (Other
-        # methods handed the model -- ``ema.update(model)``, ``wandb.watch(model)`` -- do not.)
+        # an object we cannot see into, called with the model and no output of it: it runs the
+        # model's forward (``loss = self.imagen(x, unet=self.unet)``, ``loss = criterion(model, batch)``);
+        # so does such an object's method that computes a loss with the model it is handed (DiT's
+        # ``diffusion.training_losses(model, x, t)``). Its other methods handed the model
+        # (``ema.update(model)``, ``wandb.watch(model)``) do not.
         models = frozenset()
         for a in list(args) + list(kws.values()):
             models |= flow.program.wrappers(a.values)
@@ -425,9 +419,9 @@ def _inner_wrappers(values) -> frozenset:
     return frozenset(v.wrapper for v in values if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
 
 
-# methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
 # methods that compute a loss from the model they are handed
 _LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
+# methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
 _FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
 
 
@@ -523,5 +517,4 @@ from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowF
                                                _deco, _prov, _val, expr)
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
-from synccheck.analyzer.project.micro_step import forward, inner_forward
-from synccheck.analyzer.project.micro_step import step as micro_step
+from synccheck.analyzer.project.micro_step import forward, inner_forward, step as micro_step

@@ -25,10 +25,6 @@ _RUNS_FIRST_ARG = frozenset(("torch.utils.checkpoint.checkpoint", "torch.utils.c
                              "deepspeed.checkpointing.checkpoint", "torch.func.functional_call"))
 
 
-# casts of a tensor, which keep what it was divided by
-_CASTS = frozenset(("float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "clone"))
-
-
 def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
     last = vocab.tail(qual)
     module = fr.module
@@ -208,7 +204,7 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return _val(frozenset(Inner(w) if isinstance(w, Wrapper) else w for w in args[0].values))
     if attr in ("detach", "item", "tolist", "cpu", "numpy") and not program.wrappers(vals):
         return _val(ONE_UNKNOWN)
-    if attr in vocab.TENSOR_PASSTHROUGH and recv.prov or attr in _CASTS and recv.scaled:
+    if attr in vocab.TENSOR_PASSTHROUGH and recv.prov or attr in vocab.TENSOR_CASTS and recv.scaled:
         # (a loss already divided stays divided through ``.float()``, whatever model made it)
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
     if attr in vocab.TENSOR_FUNCTIONS and recv.prov:

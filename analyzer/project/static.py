@@ -160,7 +160,7 @@ def _has_epoch_loop(program) -> bool:
                 target = ast.unparse(node.target) if isinstance(node, ast.For) else ""
                 if "epoch" in target.lower():
                     return True
-                if _counts(node, module) and any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)):
+                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and _counts(node, module):
                     return True
     return False
 
@@ -272,8 +272,7 @@ def _static_graph_strategies(program, node, scope, depth: int = 0) -> list:
     values = program.values
     if isinstance(node, ast.Call):
         func = node.func
-        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-        if name == "DDPStrategy":
+        if _callee_name(node) == "DDPStrategy":
             if any(k.arg == "static_graph" and isinstance(k.value, ast.Constant) and k.value.value is True
                    for k in node.keywords):
                 return [(values.module_of(scope), node)]

@@ -238,8 +238,7 @@ class Flow(Loops):
         fr.gate = outer_gate or gate
         body_st = self.restrict(st.copy(), true) if true else None
         else_st = self.restrict(st.copy(), false) if false else None
-        if "isinstance" in (fr.module.segment(s.test) or ""):
-            self._narrow(s.test, body_st, else_st, fr)
+        self._narrow(s.test, body_st, else_st, fr)
         body = self.block(s.body, body_st, fr) if true else None
         orelse = self.block(s.orelse, else_st, fr) if false else None
         fr.gate = outer_gate

@@ -86,6 +86,8 @@ TENSOR_PASSTHROUGH = frozenset(("mean", "sum", "float", "double", "half", "to", 
                                 # ``img @ txt.t()``): the gradient still reaches the model, scaled as it was
                                 "t", "transpose", "permute", "flatten", "matmul", "mm", "bmm", "expand", "expand_as",
                                 "repeat", "narrow", "select", "index_select", "masked_fill", "gather", "roll", "neg"))
+# casts, which keep what a tensor was divided by (``loss = loss.float()`` after ``loss / accum``)
+TENSOR_CASTS = frozenset(("float", "double", "half", "bfloat16", "to", "type_as", "contiguous", "clone"))
 # elementwise functions of a model's output (``logits.log_softmax(-1)``, ``(out * w).pow(2)``): the gradient
 # still reaches the model, but the result is a new quantity, divided by nothing (a loss made of it is fresh)
 TENSOR_FUNCTIONS = frozenset(("softmax", "log_softmax", "sigmoid", "tanh", "relu", "square", "pow", "exp", "log",
