@@ -83,6 +83,8 @@ class _RankChecker(RankTests):
                     text, negated = ast.unparse(stmt.test), _negation(stmt.test)
                     self.walk(stmt.body, on_true, text, scope, found)
                     self.walk(stmt.orelse, on_false, negated, scope, found)
+                    # (a branch that raises is an error check, ``if world_size == 1 and rank != 0: raise``,
+                    # not ranks sent another way: no rank is meant to take it)
                     body_exits, else_exits = _exits(stmt.body), _exits(stmt.orelse)
                     if body_exits and not else_exits:
                         # ``if not is_main: return``: the rest of the block runs on the other side only
@@ -313,7 +315,7 @@ def _fold(node, binding: dict):
 
 
 def _exits(stmts) -> bool:
-    return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+    return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Continue, ast.Break))
 
 
 def _collective_aliases(tree) -> frozenset:
