@@ -165,13 +165,8 @@ def _rank_branch_calls_imported(text: str) -> bool:
         imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
     if not imported:
         return False
-    for body in _rank_blocks(text):
-        if imported.intersection(CALLED.findall(body)) or imported.intersection(MODULE_CALLED.findall(body)):
-            return True
-        # ``if rank != 0: return``: what follows, a call of an imported helper among it, runs on one side
-        if body.strip().startswith("return") and imported.intersection(CALLED.findall(text)):
-            return True
-    return False
+    return any(imported.intersection(CALLED.findall(body)) or imported.intersection(MODULE_CALLED.findall(body))
+               for body in _rank_blocks(text))
 
 
 # ``comm.synchronize()``: a function of a project module imported whole (``from utils import comm``)
