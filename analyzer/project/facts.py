@@ -41,6 +41,7 @@ class Records:
         self.nodes: dict = {}            # site -> (module, node)
         self.resolutions: dict = {}      # (token, kind, resolver site, across a loop?) -> guard
         self.reach: dict = {}            # step site -> guard
+        self.zero_ran: dict = {}         # zero_grad site -> guard where it clears gradients
         self.forwards: dict = {}         # (site, model, decided, by, first, enclosing loops) -> guard
         self.backwards: dict = {}        # site -> Backward
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
@@ -67,6 +68,9 @@ class Records:
                 g &= now
         key = (token._replace(frozen=None), kind, site, token.frozen is not None)
         self.resolutions[key] = self.resolutions.get(key, 0) | g
+
+    def zeroed(self, site, guard: int) -> None:
+        self.zero_ran[site] = self.zero_ran.get(site, 0) | guard
 
     def reached(self, site, guard: int) -> None:
         self.reach[site] = self.reach.get(site, 0) | guard
@@ -274,8 +278,11 @@ def _is_flag(flow, site) -> bool:
 
 
 def wiped(flow) -> list:
-    """(zero_grad site, token, population, group) where every accumulating micro-step of a gate group
-    has its gradients thrown away before the step: SC201's fact."""
+    """(zero_grad site, token, population, group, at_boundary) where every accumulating micro-step of a
+    gate group has its gradients thrown away before the step: SC201's fact. Also (``at_boundary``) a zero_grad that clears only
+    where the step comes, before that micro-step's backward (``if boundary: zero_grad()`` at the top
+    of the iteration, a prepared optimizer's ``zero_grad()`` first thing inside
+    ``accelerator.accumulate``): the window's earlier micro-steps are wiped at every step."""
     out = []
     for pop in populations(flow):
         if not pop.stepped or not pop.accumulating:
@@ -287,9 +294,40 @@ def wiped(flow) -> list:
         for group, outcomes in pop.groups(NON_BOUNDARY, split=sorted(flow.records.switches)).items():
             if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
                 for token, kind, resolver in sorted(outcomes, key=repr):
-                    out.append((resolver, token, pop, group))
+                    out.append((resolver, token, pop, group, False))
                 break
+        else:
+            found = _wiped_at_boundary(flow, pop)
+            if found is not None:
+                out.append(found)
     return out
+
+
+def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
+    """A zero_grad that clears only where the step is reached wiped a micro-step of an earlier turn
+    (one that agrees with it on the tests that do not change from turn to turn: ``if args.deepspeed``
+    sends every turn the same way)."""
+    universe = flow.atoms.universe & pop.width_mask
+    steps = 0
+    for token, kind, resolver, across, guard in pop.records:
+        if kind == "stepped":
+            steps |= flow.records.reach.get(resolver, 0)
+    steps &= universe
+    info = flow.loop_infos.get(pop.loop)
+    turning = [a.index for a in flow.atoms.atoms if info is None or flow._loop_dependent(a, info)]
+
+    def fixed(formula: int) -> int:
+        for k in turning:
+            formula = exists(formula, k)
+        return formula & universe
+
+    for token, kind, resolver, across, guard in sorted(pop.records, key=repr):
+        if kind != "wiped" or not (across or token.synced == "managed"):
+            continue
+        ran = flow.records.zero_ran.get(resolver, 0) & universe
+        if ran and not ran & ~steps and fixed(ran) & fixed(guard):
+            return resolver, token, pop, 0, True
+    return None
 
 
 def accumulating_backwards(flow) -> list:

@@ -233,10 +233,14 @@ def _sync_gradients_atom(flow):
 
 def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> None:
     """``zero_grad()`` on an optimizer or a model; ``unknown``: on an optimizer we know only by its
-    name, which leaves alone the gradients of micro-steps inside ``accelerator.accumulate`` (see step)."""
-    if any(isinstance(v, Optim) and v.managed for v in vals) or \
-            any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
+    name, which leaves alone the gradients of micro-steps inside ``accelerator.accumulate`` (see step).
+    An optimizer accelerate prepared clears them only where ``accelerator.sync_gradients`` holds: on
+    the boundary micro-step, which is where a ``zero_grad`` before the backward throws the window away."""
+    if any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
         return
+    prepared = any(isinstance(v, Optim) and v.managed for v in vals)
+    if prepared and not any(c.effect == "managed" for prop in st.props for c in prop.controls):
+        return                  # not inside ``accelerator.accumulate``: does nothing we model
     if fr.module.linted:
         site = site_of(fr.module, node)
         flow.records.node(site, fr.module, node)
@@ -249,11 +253,25 @@ def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> Non
     optims = frozenset(v for v in vals if isinstance(v, Optim))
     direct = flow.program.models_of(frozenset(v for v in vals if isinstance(v, (Wrapper, Obj, Inner))))
     models = _owned(flow, optims) if optims else (direct or None)
+    gate = _sync_gradients_atom(flow) if prepared else None
+    if prepared and gate is None:
+        return
 
     def transfer(prop, guard):
+        if gate is not None and not any(c.effect == "managed" for c in prop.controls):
+            yield prop, guard   # outside ``accelerator.accumulate`` (a DeepSpeed engine's optimizer): a no-op
+            return
+        if gate is not None:
+            on = guard & flow.atoms.formula(gate, True)
+            if guard & ~on:
+                yield prop, guard & ~on
+            guard = on
+            if not guard:
+                return
+        flow.records.zeroed(site, guard)
         kept = []
         for token in prop.tokens:
-            if unknown and token.synced == "managed":
+            if (unknown and token.synced == "managed") or (gate is not None and token.synced != "managed"):
                 kept.append(token)
             elif models is None or token.model in models or token.model == PLAIN:
                 flow.records.resolve(token, "wiped", site, guard)

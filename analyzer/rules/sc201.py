@@ -9,8 +9,11 @@ class ZeroGradEveryMicrostep(Rule):
     requires = ("backward(", "zero_grad", "step(")  # also manual_backward( (Lightning)
     what = """
         Finds accumulation loops (the optimizer steps every N micro-steps) where `zero_grad()` runs
-        on every micro-step, not only at the boundary. Not reported for optimizers prepared by
-        Accelerate or DeepSpeed, whose `zero_grad()` does nothing off the boundary.
+        on every micro-step, not only at the boundary, or runs on the boundary micro-step before its
+        backward. An optimizer prepared by Accelerate clears gradients only where
+        `accelerator.sync_gradients` holds, on the boundary, so its `zero_grad()` is reported only
+        when it comes before the backward inside `accelerator.accumulate(...)` (accelerate#1299);
+        DeepSpeed's engine is never reported.
     """
     why = """
         `backward()` adds into `.grad`; `zero_grad()` clears it. Clearing on every micro-step throws
@@ -29,7 +32,25 @@ class ZeroGradEveryMicrostep(Rule):
             loss.backward()
             if (i + 1) % 4 == 0:
                 optimizer.step()
-    """,)
+    """, """
+        from accelerate import Accelerator
+        accelerator = Accelerator(gradient_accumulation_steps=4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        for batch in loader:
+            with accelerator.accumulate(model):
+                optimizer.zero_grad()  # SC201
+                accelerator.backward(model(batch).loss)
+                optimizer.step()
+    """, """
+        for i, (x, y) in enumerate(loader):
+            boundary = (i + 1) % 4 == 0
+            if boundary:
+                optimizer.zero_grad()  # SC201
+            loss = loss_fn(model(x), y) / 4
+            loss.backward()
+            if boundary:
+                optimizer.step()
+    """)
     VALID = ("""
         for i, (x, y) in enumerate(loader):
             loss = loss_fn(model(x), y) / 4
@@ -44,9 +65,9 @@ class ZeroGradEveryMicrostep(Rule):
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         for batch in loader:
             with accelerator.accumulate(model):
-                optimizer.zero_grad()
                 accelerator.backward(model(batch).loss)
                 optimizer.step()
+                optimizer.zero_grad()     # a no-op off the boundary, and after the step on it
     """, """
         for i, (x, y) in enumerate(loader):
             if i % 4 == 0:
@@ -62,10 +83,13 @@ class ZeroGradEveryMicrostep(Rule):
         from synccheck.analyzer.project.facts import wiped
 
         for flow in ctx.flows:
-            for site, token, outcomes, group in wiped(flow):
+            for site, token, outcomes, group, at_boundary in wiped(flow):
                 module, node = ctx.node(flow, site)
-                ctx.report(self, module, node,
-                           f"`{ctx.text(module, node)}` runs on every micro-step of this accumulation loop: it wipes "
-                           f"the gradients accumulated so far, so the optimizer only ever sees the last micro-batch",
+                what = (f"`{ctx.text(module, node)}` runs on the micro-step that steps, before its backward: it wipes "
+                        f"the gradients the window's earlier micro-steps accumulated, so the optimizer only ever sees "
+                        f"the last micro-batch" if at_boundary else
+                        f"`{ctx.text(module, node)}` runs on every micro-step of this accumulation loop: it wipes "
+                        f"the gradients accumulated so far, so the optimizer only ever sees the last micro-batch")
+                ctx.report(self, module, node, what,
                            "move zero_grad() next to optimizer.step(), inside the boundary branch",
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan_more.wiped(flow, pop, site))
