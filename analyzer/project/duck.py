@@ -57,7 +57,14 @@ def _accepts(fn, call) -> bool:
     if len(call.args) > len(positional) and args.vararg is None:
         return False
     names = set(positional[len(call.args):]) | {a.arg for a in args.kwonlyargs}
-    return args.kwarg is not None or all(k.arg in names for k in call.keywords)
+    if not (args.kwarg is not None or all(k.arg in names for k in call.keywords)):
+        return False
+    # the parameters without a default must all be given (``model.train()`` is no call of
+    # ``Trainer.train(self, loader, model, optimizer)``)
+    required = positional[len(call.args):len(positional) - len(args.defaults)]
+    given = {k.arg for k in call.keywords}
+    return all(name in given for name in required) and all(
+        a.arg in given for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is None)
 
 
 def _definers_on_disk(project, name: str) -> list:

@@ -54,7 +54,34 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             joined = flow.join([stepped, rest])
             st.props = joined.props if joined is not None else {}
             return result
-    return _call_on(flow, node, func, recv, args, kws, st, fr)
+    result = _call_on(flow, node, func, recv, args, kws, st, fr)
+    if _sum_reduced(node):
+        # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
+        # to the whole batch's sum; no 1/N is missing from it (SC202)
+        result = result._replace(scaled=True)
+    return result
+
+
+def _sum_reduced(node: ast.Call) -> bool:
+    return any(kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum"
+               for kw in node.keywords)
+
+
+_EVENT_TEXT = re.compile(r"\bbackward\s*\(|\.step\s*\(|zero_grad|no_sync|require_backward_grad_sync|\.accumulate\s*\(|"
+                         r"set_requires_gradient_sync|no_backward_sync")
+
+
+def _forward_dispatch(flow, targets, args, kws) -> bool:
+    """Is a call over many project methods handed a model, none of which says a training step's words?"""
+    if not any(flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
+        return False
+    for v in targets:
+        if not isinstance(v, (Func, Bound)):
+            return False
+        text = v.fn.module.segment(v.fn.node) or ""
+        if _EVENT_TEXT.search(text):
+            return False
+    return True
 
 
 def _library_steppers(flow, vals) -> frozenset:
@@ -108,6 +135,17 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         duck = flow.program.duck_method(func.attr, fr.scope, node)
         if duck is not None:
             targets = [duck]
+    if len(targets) > MAX_FANOUT and _forward_dispatch(flow, targets, args, kws):
+        # ``loss = self.forward_propagation(batch, model)`` overridden by a dozen trainer classes
+        # (UER-py), none of which steps, runs a backward or controls sync: each runs the model it is
+        # handed, so the call is that model's forward
+        models = frozenset()
+        for a in list(args) + list(kws.values()):
+            models |= flow.program.wrappers(a.values)
+        result = forward(flow, node, models, args, kws, st, fr)
+        # (and what they return is divided where every one of them divides it: ``loss / accum_steps``)
+        scaled = {flow.program.returns_scaled(v.fn) for v in targets if not v.fn.abstract}
+        return result._replace(scaled=scaled.pop() if len(scaled) == 1 else None)
     if len(targets) > MAX_FANOUT:
         # a dispatch over many classes (``self.scheduler.step(...)`` on any of a library's dozens of
         # schedulers): not a training loop's own code. Reading each would cost more than it could

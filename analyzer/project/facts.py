@@ -331,8 +331,8 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
 
 
 def accumulating_backwards(flow) -> list:
-    """(site, Backward) of backwards whose micro-steps accumulate (the next backward comes before the
-    step, in a later iteration) in a loop that steps: SC202's subject."""
+    """(site, Backward, model) of backwards whose micro-steps accumulate (the next backward comes before
+    the step, in a later iteration) in a loop that steps: SC202's subject."""
     out, done = [], set()
     for pop in populations(flow):
         if not pop.accumulating or pop.managed:
@@ -343,7 +343,7 @@ def accumulating_backwards(flow) -> list:
             info = flow.records.backwards.get(token.site)
             if info is not None:
                 done.add(token.site)
-                out.append((token.site, info))
+                out.append((token.site, info, pop.model))
     return out
 
 

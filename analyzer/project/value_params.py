@@ -164,6 +164,11 @@ class ParameterValues:
             # parameter or a local (``model.train()`` inside ``def train(model)``), whose value may be
             # what is being worked out here
             candidates = [(scope, call) for scope, call in candidates if not _through_local(call, scope)]
+        else:
+            # nor is a method called by itself through a parameter other than ``self``
+            # (``model.train()`` inside ``Trainer.train(self, loader, model)``: nn.Module.train)
+            candidates = [(scope, call) for scope, call in candidates if not (
+                scope is fn and _through_local(call, scope) and (not fn.params or call.func.value.id != fn.params[0]))]
         if len(candidates) <= MAX_CALLERS:
             for scope, call in candidates:
                 for v in self.expr(call.func, scope):

@@ -1,3 +1,4 @@
+import ast
 import re
 
 from synccheck.analyzer.rules.base import Rule
@@ -87,12 +88,14 @@ class UnscaledAccumulatedLoss(Rule):
         for flow in ctx.flows:
             if _grads_rescaled(flow):
                 continue
-            for site, info in accumulating_backwards(flow):
+            for site, info, model in accumulating_backwards(flow):
                 if info.via not in ("loss.backward", "scaler.scale(loss).backward", "fabric.backward",
                                     "torch.autograd.backward", "loss_scaler") or info.scaled is not False:
                     continue
                 if info.window:
                     continue      # gradient caching: each micro-step's loss is the whole window's
+                if _sums_its_loss(ctx.program, model, info):
+                    continue      # the model's forward returns a sum over examples: micro-steps add up to the batch's
                 ctx.report(self, info.module, info.node,
                            "this loss reaches backward() undivided while gradients accumulate over several "
                            "micro-steps: the step applies the sum of N gradients, an N-times larger update than "
@@ -118,6 +121,81 @@ def _enclosing(module, node):
     return best
 
 
+def _sums_its_loss(program, model, info) -> bool:
+    """Does the forward of the model that made this loss return a loss reduced by sum
+    (``return F.cross_entropy(logits, targets, reduction="sum")``)? Its micro-steps' gradients then add
+    up to the whole batch's, the convention of a sum loss: no 1/N is missing."""
+    from synccheck.analyzer.project.index import Function
+    from synccheck.analyzer.project.value_types import Inst, Obj, Wrapper
+    candidates = set()
+    if isinstance(model, Wrapper):
+        candidates.update(program.values.wrapped_by(model))
+    made = _made_by(info)
+    if made is not None:
+        scope = _enclosing(info.module, made) or info.module
+        for v in program.values.expr(made.func, scope):
+            candidates.update(program.values.wrapped_by(v) if isinstance(v, Wrapper) else (v,))
+    classes = [v.cls for v in candidates if isinstance(v, Inst)]
+    for v in candidates:
+        if isinstance(v, Obj):
+            classes.extend(_made_from_class(program, v.site))
+    for cls in classes:
+        forward = program.project.attribute(cls, "forward")
+        if not isinstance(forward, Function):
+            continue
+        summed = set()
+        for node in ast.walk(forward.node):
+            if isinstance(node, ast.Assign) and _sum_reduced(node.value):
+                summed.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            if isinstance(node, ast.Return) and node.value is not None and (
+                    _sum_reduced(node.value) or isinstance(node.value, ast.Name) and node.value.id in summed):
+                return True
+    return False
+
+
+def _made_from_class(program, site) -> list:
+    """The project classes an object known by where it was made was built from: ``GPT(...).cuda()``
+    (the calls at that place in the code whose callee is a class)."""
+    from synccheck.analyzer.project.value_types import Cls
+    if len(site) != 3 or not isinstance(site[1], int):
+        return []
+    module = next((m for m in program.project.modules() if m.path == site[0]), None)
+    if module is None:
+        return []
+    out = []
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Call) and (node.lineno, node.col_offset) == site[1:]:
+            scope = _enclosing(module, node) or module
+            out.extend(v.cls for v in program.values.expr(node.func, scope) if isinstance(v, Cls))
+    return out
+
+
+def _made_by(info):
+    """The call that made the loss a ``.backward()`` runs on: ``model(x, y).backward()``, or the last
+    ``loss = model(x, y)`` of the function before ``loss.backward()``."""
+    node = info.node
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "backward"):
+        return None
+    loss = node.func.value
+    if isinstance(loss, ast.Call):
+        return loss
+    if not isinstance(loss, ast.Name):
+        return None
+    fn = _enclosing(info.module, node)
+    found = None
+    for n in ast.walk(fn.node if fn is not None else info.module.tree):
+        if isinstance(n, ast.Assign) and n.lineno < node.lineno and isinstance(n.value, ast.Call) and any(
+                isinstance(t, ast.Name) and t.id == loss.id for t in n.targets):
+            if found is None or n.lineno > found.lineno:
+                found = n
+    return found.value if found is not None else None
+
+
+def _sum_reduced(node) -> bool:
+    return isinstance(node, ast.Call) and any(
+        kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum" for kw in node.keywords)
+
+
 def _grads_rescaled(flow) -> bool:
     """The loop rescales gradients itself before stepping (fairseq's ``optimizer.multiply_grads``).
     Undoing an fp16 loss scale (``p.grad.mul_(1.0 / 2 ** self.lg_loss_scale)``) is not that."""
@@ -134,6 +212,21 @@ def _grads_rescaled(flow) -> bool:
         if fn is not None and id(fn) not in seen:
             seen.add(id(fn))
             texts.append(module.segment(fn.node) or "")
+    if _rescales(texts):
+        return True
+    # one call further: a helper of those modules the loop calls (ClassyVision's
+    # ``self._rescale_gradients(1 / self.optimizer_period)`` before the step)
+    called = {m.group(1) for text in texts for m in _CALLED.finditer(text)}
+    modules = {id(m): m for m, _ in flow.records.nodes.values() if m is not None}
+    helpers = [m.segment(fn.node) or "" for m in modules.values() for fn in m.functions.values()
+               if fn.node.name in called and id(fn) not in seen]
+    return _rescales(helpers)
+
+
+_CALLED = re.compile(r"(?<![\w])(?:self\.)?(\w*grad\w*)\s*\(")
+
+
+def _rescales(texts) -> bool:
     for text in texts:
         for match in _RESCALE.finditer(text):
             if "loss_scale" not in match.group("rest"):
