@@ -115,7 +115,12 @@ def _counter_gates_step(program, fn, depth: int, seen: set) -> bool:
 
 
 def _is_counter_test(test, counters: "_Counters") -> bool:
-    """``x % n == 0`` in any form, or a comparison on a counter the class or function increments."""
+    """``x % n == 0`` in any form, or a comparison on a counter the class or function increments; or
+    a name the function set to such a test (``do_step = self.n % self.period == 0``, ``if do_step:``)."""
+    bare = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
+    if isinstance(bare, ast.Name):
+        value = counters.flags().get(bare.id)
+        return value is not None and _is_counter_test(value, counters)
     compared = []
     for node in walk(test):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
@@ -132,6 +137,19 @@ class _Counters:
     def __init__(self, program, fn) -> None:
         self.scope = fn.cls.node if fn.cls is not None else fn.node
         self.known = program.__dict__.setdefault("_counters", {})
+        self.fn = fn
+        self._flags = None
+
+    def flags(self) -> dict:
+        """Names the function binds once to a test: name -> the test (a name bound twice is left out)."""
+        if self._flags is None:
+            seen: dict = {}
+            for node in walk(self.fn.node):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    name = node.targets[0].id
+                    seen[name] = None if name in seen else node.value
+            self._flags = {k: v for k, v in seen.items() if isinstance(v, (ast.Compare, ast.BoolOp))}
+        return self._flags
 
     def __contains__(self, name: str) -> bool:
         names = self.known.get(id(self.scope))
