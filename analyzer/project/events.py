@@ -120,6 +120,8 @@ def expr(flow, node, st, fr) -> EnvVal:
             scaled = product
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
+        elif left.scaled is False and right.scaled is False:
+            scaled = False      # two fresh losses added: still undivided (``main_loss + aux_loss``)
         else:
             scaled = True if (left.scaled or right.scaled) else (
                 None if (left.scaled is None and not left.prov) and (right.scaled is None and not right.prov) else
