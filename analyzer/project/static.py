@@ -88,6 +88,10 @@ def samplers_without_set_epoch(program) -> list:
                 text = module.segment(klass.node) or ""
                 if "__iter__" not in klass.methods and "def __iter__" not in text or "epoch" in text:
                     names.add(klass.node.name)      # (an order of its own that no epoch seeds needs no set_epoch)
+    # ``sampler_cls = RandomSampler if args.local_rank == -1 else DistributedSampler``, called later
+    for module in program.project.modules():
+        if "Sampler" in module.text:
+            names |= _class_aliases(module.tree, names)
     made = []
     for name in sorted(names):
         for scope, call in values.calls(name):
@@ -123,6 +127,19 @@ def samplers_without_set_epoch(program) -> list:
         if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}"):
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name))
+    return out
+
+
+def _class_aliases(tree, names: set) -> set:
+    """Names bound to one of ``names`` as a class (not called), alone or as a branch of a conditional."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            options = (value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,)
+            if any((o.id if isinstance(o, ast.Name) else o.attr if isinstance(o, ast.Attribute) else None) in names
+                   for o in options):
+                out.add(node.targets[0].id)
     return out
 
 
