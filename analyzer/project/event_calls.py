@@ -124,6 +124,12 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         return inner_forward(flow, node, inner, args, kws, st, fr)
     # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training step
     # computes the loss without the wrapper's forward, as ``model.module(x)`` does
+    if recv is not None and func.attr in _FABRIC_REDIRECTED:
+        # Fabric sends a LightningModule's ``training_step`` (and its siblings) on the module it set up
+        # through the wrapper's forward, so that DDP's hooks run (``_FabricModule``)
+        fabric = frozenset(v for v in recv.values if isinstance(v, Wrapper) and v.kind == "fabric")
+        if fabric:
+            return forward(flow, node, fabric, args, kws, st, fr)
     inner = _inner_wrappers(recv.values) if recv is not None and _FORWARD_METHOD.search(func.attr) else None
     if inner and not _project_method(flow, recv.values, func.attr):
         return inner_forward(flow, node, inner, args, kws, st, fr)
@@ -460,6 +466,7 @@ def _inner_wrappers(values) -> frozenset:
 # methods that compute a loss from the model they are handed
 _LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
 # methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
+_FABRIC_REDIRECTED = frozenset(("training_step", "validation_step", "test_step", "predict_step"))
 _FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
 
 
