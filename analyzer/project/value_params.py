@@ -100,21 +100,26 @@ class ParameterValues:
         """``model: DDP`` / ``model: DistributedDataParallel``: a wrapper whoever calls."""
         for arg in fn.node.args.posonlyargs + fn.node.args.args + fn.node.args.kwonlyargs:
             if arg.arg == name and arg.annotation is not None:
-                sym = self.project.resolve_expr(fn.module, arg.annotation)
-                if sym is None:
-                    return EMPTY
-                names = [qualified_name(sym)]
-                if isinstance(sym, Class):
-                    names += self.project.external_bases(sym)
-                for name in names:
-                    kind = vocab.wrapper_kind(name)
-                    if kind:
-                        return frozenset((Wrapper(kind, site_of(fn.module, arg)),))
-                    # ``accelerator: Accelerator`` (or a project subclass of it): how it was made is
-                    # the caller's, so whether it accumulates is unknown
-                    if name in vocab.ACCELERATOR:
-                        return frozenset((Framework("accelerate", site_of(fn.module, arg), "unknown"),))
+                return self.annotated(fn.module, arg.annotation, arg)[0]
         return EMPTY
+
+    def annotated(self, module, annotation, node) -> tuple:
+        """(a wrapper or an accelerator an annotation names, else EMPTY; the project class it names)."""
+        sym = self.project.resolve_expr(module, annotation)
+        if sym is None:
+            return EMPTY, None
+        names = [qualified_name(sym)]
+        if isinstance(sym, Class):
+            names += self.project.external_bases(sym)
+        for name in names:
+            kind = vocab.wrapper_kind(name)
+            if kind:
+                return frozenset((Wrapper(kind, site_of(module, node)),)), None
+            # ``accelerator: Accelerator`` (or a project subclass of it): how it was made is
+            # the caller's, so whether it accumulates is unknown
+            if name in vocab.ACCELERATOR:
+                return frozenset((Framework("accelerate", site_of(module, node), "unknown"),)), None
+        return EMPTY, sym if isinstance(sym, Class) else None
 
     def calls(self, name: str, load: bool = False) -> list:
         """(scope, call) for the calls in the parsed modules that call ``name`` (``train(...)`` or

@@ -33,6 +33,7 @@ from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores, scop
 from synccheck.analyzer.project.value_calls import CallValues
 from synccheck.analyzer.project.value_containers import ContainerValues
 from synccheck.analyzer.project.value_params import ParameterValues
+from synccheck.analyzer.project.value_records import RecordValues
 # re-exported: every name values.py held before the split stays importable from here
 from synccheck.analyzer.project.value_helpers import (CALL_WORD, _ARITHMETIC, _OUTSIDE_STORE, _accumulates,
                                                       _argument, _arithmetic, _call_lines, _calls_named,
@@ -49,7 +50,7 @@ from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLER
 
 # ---------------------------------------------------------------------------------------------------
 
-class Values(ContainerValues, ParameterValues, CallValues):
+class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
     """The value analysis of one project."""
 
     def __init__(self, project: Project) -> None:
@@ -401,6 +402,8 @@ class Values(ContainerValues, ParameterValues, CallValues):
                     out.add(Bag(_cap(self.expr(value, scope)), True))
                     continue
                 out |= self.unpack(self.expr(value, scope), path, value, scope)
+        # a dataclass / NamedTuple field: what its builders pass (``State(model=DDP(net))``)
+        out |= self.record_field(inst.cls, attr)
         # stores from outside: ``trainer.model = DDP(...)``
         for scope, receiver, value, path in self._outside_stores(attr):
             if inst in self.expr(receiver, scope):

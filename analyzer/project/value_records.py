@@ -1,0 +1,59 @@
+"""Values of record fields: a dataclass, a ``typing.NamedTuple`` or an attrs class gets its fields from
+the calls that build it (``State(model=DDP(net), opt=opt)``), not from ``self.x = ...`` stores. A part
+of Values (values.py)."""
+from __future__ import annotations
+
+import ast
+
+from synccheck.analyzer.project.value_types import Cls, Inst
+
+_RECORD_DECORATORS = frozenset(("dataclass", "define", "frozen", "mutable", "s", "attrs"))
+
+
+def _decorator_name(node) -> str:
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+
+
+class RecordValues:
+    def record_fields(self, klass) -> tuple:
+        """The field names of a record class in the order its constructor takes them (bases' first);
+        () for any other class."""
+        key = ("record", klass.uid)
+        if key not in self._plain:
+            self._plain[key] = ()
+            chain = [k for k in reversed(self.project.mro(klass)) if k.node is not None]
+            record = any(_decorator_name(d) in _RECORD_DECORATORS for k in chain for d in k.node.decorator_list) or any(
+                (b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")) == "NamedTuple"
+                for k in chain for b in k.node.bases)
+            fields = {}
+            if record and "__init__" not in klass.methods:
+                for k in chain:
+                    for stmt in k.node.body:
+                        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and \
+                                stmt.target.id not in fields and "ClassVar" not in ast.unparse(stmt.annotation):
+                            fields[stmt.target.id] = (k.module, stmt)
+            self._plain[key] = tuple(fields.items())
+        return self._plain[key]
+
+    def record_field(self, klass, attr: str) -> frozenset:
+        """What the calls that build ``klass`` pass for field ``attr`` (by keyword or by position)."""
+        fields = [name for name, _ in self.record_fields(klass)]
+        if attr not in fields:
+            return frozenset()
+        index = fields.index(attr)
+        out = set()
+        for scope, call in self.calls(klass.node.name):
+            if not any(isinstance(v, Cls) and v.cls is klass for v in self.expr(call.func, scope)):
+                continue
+            given = next((kw.value for kw in call.keywords if kw.arg == attr), None)
+            if given is None and index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args):
+                given = call.args[index]
+            if given is not None:
+                out |= self.expr(given, scope)
+        if not out:
+            # built out of view (a CLI parser, a config loader): what its annotation says it holds
+            module, stmt = dict(self.record_fields(klass))[attr]
+            made, named = self.annotated(module, stmt.annotation, stmt)
+            out |= made | ({Inst(named)} if named is not None else set())
+        return frozenset(out)
