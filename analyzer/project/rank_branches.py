@@ -36,7 +36,12 @@ def collectives_in_rank_branches(program) -> list:
         for scope in scopes:
             body = scope.node.body if isinstance(scope, Function) else module.script_body()
             found: list = []
-            checker.walk(body, None, None, scope, found)
+            only = _main_only(scope) if isinstance(scope, Function) else None
+            if only is not None:
+                # ``@rank_zero_only def save(...)``: the whole body is the main rank's side
+                checker.walk(body, "main", f"@{only}", scope, found)
+            else:
+                checker.walk(body, None, None, scope, found)
             if isinstance(scope, Function) and scope.cls is not None and scope.node.name in _ENTER_EXIT:
                 # a zero-first context manager written as a class: the other ranks' barrier in
                 # ``__enter__``, the main rank's in ``__exit__``; every rank runs one
@@ -312,6 +317,17 @@ def _fold(node, binding: dict):
         except TypeError:
             return _UNKNOWN
     return _UNKNOWN
+
+
+def _main_only(fn) -> Optional[str]:
+    """The decorator that makes ``fn`` run on the main process only, if it has one."""
+    from synccheck.analyzer.rules.sc301 import RANK_DECORATORS
+    for deco in fn.node.decorator_list:
+        node = deco.func if isinstance(deco, ast.Call) else deco
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+        if name in RANK_DECORATORS:
+            return name
+    return None
 
 
 def _exits(stmts) -> bool:

@@ -14,6 +14,10 @@ CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.")
 
 
 FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
+# decorators whose function runs on the main process only
+RANK_DECORATORS = ("rank_zero_only", "on_main_process", "on_local_main_process", "main_process_only", "rank0_only",
+                   "master_only", "on_rank_zero")
+RANK_DECORATOR = re.compile(r"^[ \t]*@[\w.]*\b(?:" + "|".join(RANK_DECORATORS) + r")\b", re.M)
 COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric)\.(barrier|monitored_barrier|all_reduce|"
                    r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|gather_for_metrics|scatter\w*|"
                    r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
@@ -138,8 +142,8 @@ def _rank_branch_calls(text: str) -> bool:
     for body in _rank_blocks(text):
         if COLLECTIVE_CALL.search(body):
             return True
-        if body.strip().startswith("return"):
-            return True     # ``if not is_main: return``: what follows runs on one side only
+        if body.strip().startswith(("return", "continue", "break")):
+            return True     # ``if not is_main: return`` (or ``continue``): what follows runs on one side only
         if runs is None:
             runs = _CollectiveFunctions(text)
         if runs.any_runs(set(CALLED.findall(body))):
@@ -165,8 +169,13 @@ def _rank_branch_calls_imported(text: str) -> bool:
         imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
     if not imported:
         return False
-    return any(imported.intersection(CALLED.findall(body)) or imported.intersection(MODULE_CALLED.findall(body))
+    # and the objects made from them (``tracker = MeanTracker(device)``; ``tracker.synced_mean()``)
+    made = {name for name, cls in _MADE_FROM.findall(text) if cls in imported}
+    return any(imported.intersection(CALLED.findall(body)) or (imported | made).intersection(MODULE_CALLED.findall(body))
                for body in _rank_blocks(text))
+
+
+_MADE_FROM = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*(\w+)\(", re.M)
 
 
 # ``comm.synchronize()``: a function of a project module imported whole (``from utils import comm``)
@@ -207,8 +216,9 @@ class CollectiveInRankBranch(Rule):
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
                 and _has_collective(text)):
             return False
-        # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line
-        return _rank_branch_calls(text) or "@property" in text
+        # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line; a
+        # function only rank 0 runs (``@rank_zero_only``, ``@accelerator.on_main_process``) has none
+        return _rank_branch_calls(text) or "@property" in text or bool(RANK_DECORATOR.search(text))
 
     @classmethod
     def reaches(cls, text: str) -> bool:
@@ -279,7 +289,9 @@ class CollectiveInRankBranch(Rule):
 
         for found in collectives_in_rank_branches(ctx.program):
             through = " (through this call)" if found.through else ""
+            where = (f"on the main rank (its function is decorated `{found.test_text}`)"
+                     if found.test_text.startswith("@") else f"on the ranks where `{found.test_text}` holds")
             ctx.report(self, found.module, found.node,
-                       f"`{found.what}` is a collective but runs only on the ranks where `{found.test_text}` holds"
+                       f"`{found.what}` is a collective but runs only {where}"
                        f"{through}: the other ranks never join it and the job hangs",
                        "call it on every rank, after the rank-dependent block")
