@@ -36,6 +36,11 @@ class CallValues:
             if special is not None:
                 return special
         out = set()
+        lam = func if isinstance(func, ast.Lambda) else self._lambda_bound(func, scope)
+        if lam is not None and isinstance(lam.body, ast.Call):
+            # ``wrap = lambda m: DDP(m, device_ids=[rank])``; ``wrap(net)``: what the body's call makes
+            # (its parameters are not bound to the arguments: what is made does not hang on them)
+            return self.expr(lam.body, scope)
         callees = self.expr(func, scope)
         if callees == {Ext("int")} and len(call.args) == 1 and not call.keywords:
             # ``int(config["batch_size"])``: a number we know stays known
@@ -55,6 +60,15 @@ class CallValues:
         for callee in callees:
             out |= self._call_value(callee, call, scope, module)
         return frozenset(out) or ONE_UNKNOWN
+
+    def _lambda_bound(self, func, scope) -> Optional[ast.Lambda]:
+        """The lambda a local name is bound to, once and only to it."""
+        if not isinstance(func, ast.Name):
+            return None
+        bound = self.info(scope).assigns.get(func.id, ())
+        if len(bound) == 1 and not bound[0][1] and isinstance(bound[0][0], ast.Lambda):
+            return bound[0][0]
+        return None
 
     def _method(self, call, attr: str, receiver: frozenset, scope, module) -> Optional[frozenset]:
         """Methods whose meaning depends on what they are called on."""
