@@ -111,13 +111,15 @@ def samplers_without_set_epoch(program) -> list:
                 seeded.add(v)
             elif isinstance(v, (Unknown, Obj, Ext)):
                 unknown = True
+    # ``getattr(loader.sampler, "set_epoch", lambda e: None)(epoch)``: called by a name in a string
+    unknown = unknown or any(_SET_EPOCH_BY_NAME.search(m.text) for m in program.project.linted())
     if unknown:
         return []
     prepared = _prepared_loaders(program)
     out = []
     epoch_loop = None         # asked once: nothing below parses or reads a file
     for module, call, sampler, scope in made:
-        if not module.linted or sampler in seeded or sampler in prepared:
+        if not module.linted or sampler in seeded or sampler in prepared or _seeded_by_epoch(call):
             continue
         if epoch_loop is None:
             epoch_loop = _has_epoch_loop(program)
@@ -128,6 +130,16 @@ def samplers_without_set_epoch(program) -> list:
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name))
     return out
+
+
+_SET_EPOCH_BY_NAME = re.compile(r"getattr\([^)\n]*[\"']set_epoch[\"']")
+
+
+def _seeded_by_epoch(call) -> bool:
+    """``DistributedSampler(ds, seed=args.seed + epoch)``: a sampler made afresh each epoch, whose seed
+    the epoch moves, shuffles differently every epoch without set_epoch."""
+    return any(kw.arg == "seed" and any(isinstance(n, ast.Name) and "epoch" in n.id.lower() for n in ast.walk(kw.value))
+               for kw in call.keywords)
 
 
 def _class_aliases(tree, names: set) -> set:
