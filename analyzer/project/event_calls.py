@@ -84,6 +84,17 @@ def _forward_dispatch(flow, targets, args, kws) -> bool:
     return True
 
 
+def _clears_grads(flow, func, fr) -> bool:
+    """Is ``func`` a project function that clears the gradients of the parameters it loops over
+    (``p.grad = None``, ``p.grad.zero_()``)?"""
+    for v in flow.values.expr(func, fr.scope):
+        if isinstance(v, Func):
+            text = v.fn.module.segment(v.fn.node) or ""
+            if ".grad = None" in text or ".grad.zero_()" in text or ".grad.data.zero_()" in text:
+                return True
+    return False
+
+
 def _library_steppers(flow, vals) -> frozenset:
     """The library optimizers (and DeepSpeed engines) among a ``.step()`` receiver's values, when
     others are project objects with a ``step`` of their own; empty otherwise."""
@@ -93,6 +104,11 @@ def _library_steppers(flow, vals) -> frozenset:
 
 
 def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
+    if recv is None and isinstance(func, ast.Name) and "zero_grad" in func.id and args and \
+            _clears_grads(flow, func, fr):
+        # ``zero_grad(model)``: a project helper that sets every parameter's ``.grad`` to None
+        zero_grad(flow, node, args[0].values, st, fr)
+        return _val(ONE_UNKNOWN)
     if recv is not None:
         handled = _method(flow, node, func.attr, recv, args, kws, st, fr)
         if handled is not None:
@@ -562,4 +578,4 @@ from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowF
                                                _deco, _prov, _val, expr)
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
-from synccheck.analyzer.project.micro_step import forward, inner_forward, step as micro_step
+from synccheck.analyzer.project.micro_step import forward, inner_forward, step as micro_step, zero_grad
