@@ -35,8 +35,10 @@ def git_dir(mirror: Path, repo: str) -> Path:
     owner, name = repo.split("/", 1)
     for candidate in (mirror / f"{owner}+{name}" / "repo", mirror / f"{owner}+{name}", mirror / owner / f"{name}.git",
                       mirror / owner / name):
-        if (candidate / "HEAD").exists() or (candidate / ".git").exists():
+        if (candidate / "HEAD").exists():
             return candidate
+        if (candidate / ".git" / "HEAD").exists():     # a mirror that came as an ordinary clone
+            return candidate / ".git"
     raise FileNotFoundError(f"no mirror of {repo} under {mirror}")
 
 
