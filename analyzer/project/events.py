@@ -18,6 +18,7 @@ name they define stays importable from here, as ``events.<name>``.
 from __future__ import annotations
 
 import ast
+import re
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.parse import dotted as _dotted
@@ -79,6 +80,10 @@ def _prov(*vals) -> frozenset:
 # ---------------------------------------------------------------------------------------------------
 # expressions
 
+_WORLD_SIZE = re.compile(r"^(?:[\w.]*\.)?(?:world_size|get_world_size\(\)|num_gpus|n_gpu|ngpus|num_processes|"
+                         r"world|nprocs|num_replicas)$", re.I)
+
+
 def expr(flow, node, st, fr) -> EnvVal:
     t = type(node)
     if node is None:
@@ -118,6 +123,10 @@ def expr(flow, node, st, fr) -> EnvVal:
                 product = weighted(right, left, node.left, flow, fr)
         if product is not _UNWEIGHTED:
             scaled = product
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _WORLD_SIZE.search(ast.unparse(node.right)):
+            # ``loss / world_size``: an average over the ranks (which DDP's all-reduce already does),
+            # not over the micro-steps
+            scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
         elif left.scaled is False and right.scaled is False:

@@ -103,7 +103,7 @@ def samplers_without_set_epoch(program) -> list:
         return []
     seeded, unknown = set(), False
     for scope, call in values.calls("set_epoch"):
-        if not isinstance(call.func, ast.Attribute):
+        if not isinstance(call.func, ast.Attribute) or _once_before_the_loop(scope, call):
             continue
         receiver = values.expr(call.func.value, scope)
         for v in receiver:
@@ -130,6 +130,22 @@ def samplers_without_set_epoch(program) -> list:
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name))
     return out
+
+
+def _once_before_the_loop(scope, call) -> bool:
+    """``sampler.set_epoch(start_epoch)`` before the function's epoch loop, in no loop itself: every
+    later epoch replays that one order. (A helper with no loop, called each epoch, is not this.)"""
+    node = getattr(scope, "node", None)
+    if node is None or not hasattr(node, "body"):
+        return False
+    # an epoch loop: one over epochs, or one holding the loop over batches (a function that runs one
+    # epoch, ``set_epoch(epoch)`` then ``for batch in loader:``, sets it for that epoch)
+    loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and (
+        "epoch" in ast.unparse(getattr(n, "target", n.test if isinstance(n, ast.While) else n)).lower() or
+        any(isinstance(m, (ast.For, ast.AsyncFor, ast.While)) for b in n.body for m in ast.walk(b)))]
+    if not loops:
+        return False
+    return not any(loop.lineno <= call.lineno <= (loop.end_lineno or loop.lineno) for loop in loops)
 
 
 _SET_EPOCH_BY_NAME = re.compile(r"getattr\([^)\n]*[\"']set_epoch[\"']")

@@ -319,9 +319,18 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
         return ONE_UNKNOWN
 
     def _type_test(self, test, scope) -> Optional[bool]:
-        """``isinstance(m, DDP)`` / ``type(m) == DDP`` when every value of ``m`` is a DDP wrapper (True)
-        or none is a wrapper (False); else None."""
+        """``isinstance(m, DDP)`` / ``type(m) == DDP`` (or ``hasattr(m, "module")``) when every value of
+        ``m`` is a DDP wrapper (True) or none is a wrapper (False); else None."""
         subject = cls = None
+        if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "hasattr" and \
+                len(test.args) == 2 and isinstance(test.args[1], ast.Constant) and test.args[1].value == "module":
+            # ``m.module if hasattr(m, "module") else m``: a wrapper has a ``.module``
+            values = self.expr(test.args[0], scope)
+            if values and all(isinstance(v, Wrapper) and v.kind in ("ddp", "fsdp") for v in values):
+                return True
+            if values and not any(isinstance(v, (Wrapper, Unknown, Obj, Inst)) for v in values):
+                return False
+            return None
         if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and \
                 len(test.args) == 2:
             subject, cls = test.args
