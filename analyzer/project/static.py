@@ -138,11 +138,10 @@ def _once_before_the_loop(scope, call) -> bool:
     node = getattr(scope, "node", None)
     if node is None or not hasattr(node, "body"):
         return False
-    # an epoch loop: one over epochs, or one holding the loop over batches (a function that runs one
-    # epoch, ``set_epoch(epoch)`` then ``for batch in loader:``, sets it for that epoch)
-    loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and (
-        "epoch" in ast.unparse(getattr(n, "target", n.test if isinstance(n, ast.While) else n)).lower() or
-        any(isinstance(m, (ast.For, ast.AsyncFor, ast.While)) for b in n.body for m in ast.walk(b)))]
+    # an epoch loop: a count over epochs (``for epoch in range(start_epoch, epochs)``); a function
+    # that runs one epoch, ``set_epoch(epoch)`` then ``for batch in loader:``, sets it for that epoch
+    loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.AsyncFor)) and isinstance(n.iter, ast.Call)
+             and _callee_name(n.iter) in ("range", "trange", "tqdm") and "epoch" in ast.unparse(n.iter).lower()]
     if not loops:
         return False
     return not any(loop.lineno <= call.lineno <= (loop.end_lineno or loop.lineno) for loop in loops)
