@@ -294,8 +294,11 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     sizes = [sum(len(e.text or "") + 1 for e in members) for _, members in work]
     order = sorted(range(len(work)), key=lambda i: -sizes[i])
     # the files that may hold a finding travel with their text; the others are read if needed
+    # the folders named on the command line are where absolute imports may start too (``from
+    # common.trainer import train`` in vqa/function/train.py, run from the repository's top)
+    lint_roots = tuple(r for r in components.roots if os.path.isdir(r))
     jobs_in = [([(e.path, e.text if e.eager else None, e.notebook, e.linted, e.eager, e.imports)
-                 for e in work[i][1]], codes, edits) for i in order]
+                 for e in work[i][1]], codes, edits, lint_roots) for i in order]
     results = pool.map(_analyse_component, jobs_in, [sizes[i] for i in order])
     for i, (findings, errors, parsed, deps) in zip(order, results):
         key, members = work[i]
@@ -336,7 +339,7 @@ def _analyse_component(args) -> tuple:
             gc.enable()
 
 
-def _analyse_files(members: list, codes: tuple, edits: bool = True) -> tuple:
+def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: tuple = ()) -> tuple:
     from synccheck.analyzer.parse import parse
     from synccheck.analyzer.project.index import Project
 
@@ -344,7 +347,7 @@ def _analyse_files(members: list, codes: tuple, edits: bool = True) -> tuple:
     findings: list = []
     errors: list = []
     parsed_files = []
-    project = Project(roots=[os.path.dirname(os.path.abspath(p)) for p, *_ in members])
+    project = Project(roots=[os.path.dirname(os.path.abspath(p)) for p, *_ in members] + list(lint_roots))
     parsed = 0
     for path, text, notebook, linted, is_eager, imports in members:
         if not is_eager:
