@@ -225,8 +225,8 @@ class Components:
 
 
 def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:
-    """Files in the folder of ``path`` (and of its package root) that import it: context for a lint
-    of single files."""
+    """Files in the folder of ``path`` (of its package root, and of the folder above) that import it:
+    context for a lint of single files."""
     here = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0]
     if stem == "__init__":
@@ -234,7 +234,8 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
     word = stem.encode()
     out = []
     scanned = 0
-    for directory in dict.fromkeys([here] + _package_roots(here)[:1]):
+    # and the folder above (``train.py`` beside ``utils/``, importing ``utils.data_utils``)
+    for directory in dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]):
         try:
             names = sorted(os.listdir(directory))
         except OSError:

@@ -78,6 +78,39 @@ def test_single_file_lint_reads_the_files_that_import_it(tmp_path):
     check_project(tmp_path, MAE, paths=["engine_pretrain.py"])
 
 
+SAMPLER_IN_A_SUBFOLDER = {
+    "utils/data_utils.py": """
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+
+        def get_loader(dataset, local_rank):
+            sampler = DistributedSampler(dataset)  # SC302
+            return DataLoader(dataset, sampler=sampler, batch_size=32)
+    """,
+    "train.py": """
+        import torch
+
+        from utils.data_utils import get_loader
+
+
+        def train(model, dataset, optimizer, epochs, local_rank):
+            loader = get_loader(dataset, local_rank)
+            for epoch in range(epochs):
+                for x, y in loader:
+                    loss = torch.nn.functional.cross_entropy(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """,
+}
+
+
+def test_single_file_lint_reads_an_importer_in_the_folder_above(tmp_path):
+    # ViT-pytorch: the sampler is built in utils/ (no __init__.py), the epoch loop is train.py above it
+    check_project(tmp_path, SAMPLER_IN_A_SUBFOLDER, paths=["utils/data_utils.py"])
+
+
 def test_mae_with_no_sync_is_clean(tmp_path):
     files = dict(MAE)
     files["engine_pretrain.py"] = MAE["engine_pretrain.py"].replace("""                loss_scaler(loss, optimizer, parameters=model.parameters(),  # SC101
