@@ -21,7 +21,8 @@ def window_cache(module, loop) -> bool:
     ``c[k] = v``, ``+=``) outside the loop with values computed under ``torch.no_grad()`` or
     ``.detach()``ed, which the loop slices or overwrites at its own counter."""
     counters = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)} if isinstance(loop, (ast.For, ast.AsyncFor)) else set()
-    if not counters or not any(_at_counter(node, counters) for node in walk(loop)):
+    if not counters or not (any(_at_counter(node, counters) for node in walk(loop)) or
+                            _spliced_in_callee(module, loop, counters, None)):
         return False                # (the last test below, without the caches: one walk of the loop alone)
     scope = _enclosing_scope(module, loop)
     if scope is None:
@@ -60,7 +61,26 @@ def window_cache(module, loop) -> bool:
                 aliases.add(stmt.targets[0].id)
     # the slots before or after its own (``cache[:j]``, ``cache[j + 1:]``), or its own slot
     # overwritten (``feats[j] = out``); not its own slot read (``teacher[j]``, ``x[j * b:(j + 1) * b]``)
-    return any(_at_counter(node, counters) and _root(node.value) in aliases for node in walk(loop))
+    return any(_at_counter(node, counters) and _root(node.value) in aliases for node in walk(loop)) or \
+        _spliced_in_callee(module, loop, counters, aliases)
+
+
+def _spliced_in_callee(module, loop, counters, caches) -> bool:
+    """The splice done by a function of the same module the loop hands the counter and the caches to
+    (Chinese-CLIP's ``get_loss(model, ..., accum_image_features, ..., j)``). ``caches`` None: any."""
+    by_name = {fn.node.name: fn for fn in module.functions.values() if fn.cls is None}
+    for call in walk(loop):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in by_name):
+            continue
+        fn = by_name[call.func.id]
+        params = [a.arg for a in fn.node.args.posonlyargs + fn.node.args.args]
+        given = [(params[i], a.id) for i, a in enumerate(call.args[:len(params)]) if isinstance(a, ast.Name)]
+        given += [(k.arg, k.value.id) for k in call.keywords if k.arg in params and isinstance(k.value, ast.Name)]
+        at = {p for p, name in given if name in counters}
+        held = {p for p, name in given if caches is None or name in caches}
+        if at and any(_at_counter(node, at) and _root(node.value) in held for node in walk(fn.node)):
+            return True
+    return False
 
 
 def _at_counter(node, counters) -> bool:
