@@ -131,7 +131,12 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
             else:
                 synced, by = now, now_by
             misses = model.kind == "ddp" or model.kind in ("accelerate", "fabric")
-            misses = misses and fwd is not None and ((fwd.decided == "on" and now == "off") or fwd.flag_after is not None)
+            # (a helper context around the forward that restores the flag on its way out wrote it after
+            # the forward, but it is the same helper that set it for the forward: no miss)
+            restored = fwd is not None and fwd.flag_after is not None and fwd.flag_after == fwd.by and \
+                fwd.flag_after in flow.records.helper_flags
+            misses = misses and fwd is not None and not restored and (
+                (fwd.decided == "on" and now == "off") or fwd.flag_after is not None)
             if misses:
                 flow.records.misses_forward(now_by if fwd.flag_after is None else fwd.flag_after, site, model,
                                             "flag" if fwd.flag_after is not None and fwd.flag_after not in flow.records.helper_flags else "control",
