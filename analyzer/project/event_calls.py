@@ -13,6 +13,7 @@ import ast
 import re
 from typing import Optional
 
+from synccheck.analyzer.project.call_kinds import FABRIC_REDIRECTED, clears_grads, forward_dispatch
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
@@ -67,34 +68,6 @@ def _sum_reduced(node: ast.Call) -> bool:
                for kw in node.keywords)
 
 
-_EVENT_TEXT = re.compile(r"\bbackward\s*\(|\.step\s*\(|zero_grad|no_sync|require_backward_grad_sync|\.accumulate\s*\(|"
-                         r"set_requires_gradient_sync|no_backward_sync")
-
-
-def _forward_dispatch(flow, targets, args, kws) -> bool:
-    """Is a call over many project methods handed a model, none of which says a training step's words?"""
-    if not any(flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
-        return False
-    for v in targets:
-        if not isinstance(v, (Func, Bound)):
-            return False
-        text = v.fn.module.segment(v.fn.node) or ""
-        if _EVENT_TEXT.search(text):
-            return False
-    return True
-
-
-def _clears_grads(flow, func, fr) -> bool:
-    """Is ``func`` a project function that clears the gradients of the parameters it loops over
-    (``p.grad = None``, ``p.grad.zero_()``)?"""
-    for v in flow.values.expr(func, fr.scope):
-        if isinstance(v, Func):
-            text = v.fn.module.segment(v.fn.node) or ""
-            if ".grad = None" in text or ".grad.zero_()" in text or ".grad.data.zero_()" in text:
-                return True
-    return False
-
-
 def _library_steppers(flow, vals) -> frozenset:
     """The library optimizers (and DeepSpeed engines) among a ``.step()`` receiver's values, when
     others are project objects with a ``step`` of their own; empty otherwise."""
@@ -105,7 +78,7 @@ def _library_steppers(flow, vals) -> frozenset:
 
 def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     if recv is None and isinstance(func, ast.Name) and "zero_grad" in func.id and args and \
-            _clears_grads(flow, func, fr):
+            clears_grads(flow, func, fr.scope):
         # ``zero_grad(model)``: a project helper that sets every parameter's ``.grad`` to None
         zero_grad(flow, node, args[0].values, st, fr)
         return _val(ONE_UNKNOWN)
@@ -140,7 +113,7 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         return inner_forward(flow, node, inner, args, kws, st, fr)
     # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training step
     # computes the loss without the wrapper's forward, as ``model.module(x)`` does
-    if recv is not None and func.attr in _FABRIC_REDIRECTED:
+    if recv is not None and func.attr in FABRIC_REDIRECTED:
         # Fabric sends a LightningModule's ``training_step`` (and its siblings) on the module it set up
         # through the wrapper's forward, so that DDP's hooks run (``_FabricModule``)
         fabric = frozenset(v for v in recv.values if isinstance(v, Wrapper) and v.kind == "fabric")
@@ -157,7 +130,7 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         duck = flow.program.duck_method(func.attr, fr.scope, node)
         if duck is not None:
             targets = [duck]
-    if len(targets) > MAX_FANOUT and _forward_dispatch(flow, targets, args, kws):
+    if len(targets) > MAX_FANOUT and forward_dispatch(flow, targets, args, kws):
         # ``loss = self.forward_propagation(batch, model)`` overridden by a dozen trainer classes
         # (UER-py), none of which steps, runs a backward or controls sync: each runs the model it is
         # handed, so the call is that model's forward
@@ -482,7 +455,6 @@ def _inner_wrappers(values) -> frozenset:
 # methods that compute a loss from the model they are handed
 _LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
 # methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
-_FABRIC_REDIRECTED = frozenset(("training_step", "validation_step", "test_step", "predict_step"))
 _FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
 
 
