@@ -65,6 +65,7 @@ class UnseededSampler(NamedTuple):
     module: object
     node: object
     name: str
+    once: bool = False        # set_epoch is called on it, once, before the epoch loop
 
 
 # a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``
@@ -101,9 +102,12 @@ def samplers_without_set_epoch(program) -> list:
                     made.append((module, call, v, scope))
     if not made:
         return []
-    seeded, unknown = set(), False
+    seeded, unknown, once = set(), False, set()
     for scope, call in values.calls("set_epoch"):
-        if not isinstance(call.func, ast.Attribute) or _once_before_the_loop(scope, call):
+        if isinstance(call.func, ast.Attribute) and _once_before_the_loop(scope, call):
+            once |= {v for v in values.expr(call.func.value, scope) if isinstance(v, Sampler)}
+            continue
+        if not isinstance(call.func, ast.Attribute):
             continue
         receiver = values.expr(call.func.value, scope)
         for v in receiver:
@@ -128,7 +132,7 @@ def samplers_without_set_epoch(program) -> list:
         name = _assigned_name(module, call)
         if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}"):
             continue    # an evaluation pass gives the same metrics in any order
-        out.append(UnseededSampler(module, call, name))
+        out.append(UnseededSampler(module, call, name, sampler in once))
     return out
 
 
