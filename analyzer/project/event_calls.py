@@ -341,16 +341,18 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
 
 
 def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=None,
-           control=None) -> Optional[EnvVal]:
-    """Analyse ``fn`` in place with the caller's state; None when it cannot matter or cannot be followed."""
+           control=None, seed=None) -> Optional[EnvVal]:
+    """Analyse ``fn`` in place with the caller's state; None when it cannot matter or cannot be followed.
+    ``seed``: values the callee starts with beyond its parameters (``self.model`` of a context object)."""
     if fn.abstract:
         return None         # a hook that subclasses fill: the base's raise is not what runs
-    carries = any(a.prov or flow.program.wrappers(a.values) for a in list(args) + list(kws.values()))
+    carries = any(a.prov or flow.program.wrappers(a.values)
+                  for a in list(args) + list(kws.values()) + list((seed or {}).values()))
     if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
         return None
     if yield_handler is None and not carries and not _worth_inlining(flow, fn, receiver, args, kws):
         return None
-    env = {}
+    env = dict(seed or {})
     params = list(fn.params)
     positional = list(args)
     if receiver is not None and fn.is_method and params:

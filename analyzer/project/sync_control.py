@@ -13,7 +13,8 @@ import ast
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import Control, EnvVal
-from synccheck.analyzer.project.values import Ext, Obj, Unknown, site_of
+from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.values import Ext, Inst, Obj, Unknown, site_of
 
 
 HARMLESS_CONTEXTS = ("torch.", "contextlib.", "nullcontext", "open", "tqdm", "warnings.", "autocast", "record_function",
@@ -115,6 +116,9 @@ def _enter(flow, s, i: int, st, fr, owner: int):
         for h in helpers:
             outs.append(_run_helper(flow, s, i, h, st.copy(), fr, owner))
         return flow.join(outs)
+    objects = [v for v in vals if isinstance(v, Inst) and _entered_in_place(flow, v)]
+    if objects and len(objects) == len(vals) and isinstance(item.context_expr, ast.Call):
+        return flow.join([_run_context_object(flow, s, i, v, item.context_expr, st.copy(), fr, owner) for v in objects])
     if not any(isinstance(v, FlowCtx) for v in vals) and _opaque_context(flow, item.context_expr, vals, fr):
         value = _val(frozenset((FlowCtx("unknown", frozenset(), site_of(fr.module, item.context_expr),
                                         _text(fr, item.context_expr)),)))
@@ -146,6 +150,52 @@ def _run_helper(flow, s, i, helper: FlowHelper, st, fr, owner: int):
         return None if not result_st.props else St(result_st.props, caller_env)
     env = envs[0]
     return St(result_st.props, env)
+
+
+def _entered_in_place(flow, inst) -> bool:
+    """A project class whose ``__enter__`` writes the DDP flag (``MicroStep(model, sync)``)."""
+    enter = flow.project.attribute(inst.cls, "__enter__")
+    return isinstance(enter, Function) and "require_backward_grad_sync" in (enter.module.segment(enter.node) or "")
+
+
+def _run_context_object(flow, s, i, inst, made, st, fr, owner: int):
+    """``with MicroStep(model, sync):`` for a project class: its ``__enter__`` runs in place before the
+    rest of the with statement, its ``__exit__`` after, each seeing the ``self.x = x`` its ``__init__``
+    stored from the call that made it. A flag written there is the with's (as a @contextmanager's)."""
+    project = flow.project
+    enter, leave = project.attribute(inst.cls, "__enter__"), project.attribute(inst.cls, "__exit__")
+    if enter.uid in fr.stack or fr.depth >= 8:
+        return _enter(flow, s, i + 1, st, fr, owner)
+    seed = _constructor_fields(flow, project.attribute(inst.cls, "__init__"), made, st, fr,
+                               enter.params[0] if enter.params else "self")
+    control = (fr.module, made)
+    inline(flow, enter, made, inst, [], {}, st, fr, control=control, seed=seed)
+    body = _enter(flow, s, i + 1, st, fr, owner)
+    if body is None or not isinstance(leave, Function):
+        return body
+    inline(flow, leave, made, inst, [], {}, body, fr, control=control, seed=seed)
+    return body
+
+
+def _constructor_fields(flow, init, made, st, fr, me: str) -> dict:
+    """``self.x`` (``me``: the name of ``self``) -> the value the call ``made`` passed for the
+    ``__init__`` parameter stored there."""
+    if not isinstance(init, Function):
+        return {}
+    params = list(init.params)[1:]
+    passed = {}
+    for k, a in enumerate(made.args):
+        if isinstance(a, ast.Starred) or k >= len(params):
+            break
+        passed[params[k]] = a
+    passed.update({kw.arg: kw.value for kw in made.keywords if kw.arg in params})
+    out = {}
+    for stmt in init.node.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute) and \
+                isinstance(stmt.targets[0].value, ast.Name) and stmt.targets[0].value.id == init.params[0] and \
+                isinstance(stmt.value, ast.Name) and stmt.value.id in passed:
+            out[f"{me}.{stmt.targets[0].attr}"] = expr(flow, passed[stmt.value.id], st, fr)
+    return out
 
 
 def _is_no_grad_call(flow, item, fr) -> bool:
