@@ -188,11 +188,20 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         models = program.wrappers(vals)
         flag(flow, node, models, _cond_of(flow, args[0], node.args[0], st, fr), st, fr)
         return NONE_VAL
+    if attr == "__enter__" and flow.entering and any(isinstance(v, FlowCtx) for v in vals):
+        # ``self._ctx = self.model.no_sync(); self._ctx.__enter__()`` in a context object's __enter__:
+        # the control lasts as long as the with that entered the object
+        push_controls(flow, node, recv, st, fr, flow.entering[-1], at=fr.control)
+        return recv
     if attr == "enter_context" and args:
         owners = [flow.exitstacks.get(v.site) for v in vals if isinstance(v, FlowCtx) and v.effect == "exitstack"]
         owner = next((o for o in owners if o is not None), None)
+        at = None
+        if owner is None and flow.entering:
+            # a context object's ``__enter__`` enters it on a stack of its own: the caller's with owns it
+            owner, at = flow.entering[-1], fr.control
         if owner is not None:
-            push_controls(flow, node, args[0], st, fr, owner)
+            push_controls(flow, node, args[0], st, fr, owner, at=at)
         return args[0]
     if attr == "forward":
         models = program.wrappers(vals)

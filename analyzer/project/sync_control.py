@@ -22,9 +22,12 @@ HARMLESS_CONTEXTS = ("torch.", "contextlib.", "nullcontext", "open", "tqdm", "wa
                      "logging", "wandb", "mlflow", "tempfile", "zipfile", "tarfile", "sdpa_kernel", "sdp_kernel")
 
 
-def push_controls(flow, node, value: EnvVal, st, fr, owner: int) -> None:
-    site = site_of(fr.module, node)
-    flow.records.node(site, fr.module, node)
+def push_controls(flow, node, value: EnvVal, st, fr, owner: int, at=None) -> None:
+    """``at``: (module, node) the control is reported at, when not ``node`` in the frame's module (a
+    context object's ``__enter__`` enters it: the caller's ``with`` is where it is written)."""
+    module, node = at or (fr.module, node)
+    site = site_of(module, node)
+    flow.records.node(site, module, node)
 
     def transfer(prop, guard):
         first = flow.first_mask(prop.first)
@@ -153,9 +156,10 @@ def _run_helper(flow, s, i, helper: FlowHelper, st, fr, owner: int):
 
 
 def _entered_in_place(flow, inst) -> bool:
-    """A project class whose ``__enter__`` writes the DDP flag (``MicroStep(model, sync)``)."""
+    """A project class whose ``__enter__`` writes the DDP flag or enters ``no_sync`` (``MicroStep(model, sync)``)."""
     enter = flow.project.attribute(inst.cls, "__enter__")
-    return isinstance(enter, Function) and "require_backward_grad_sync" in (enter.module.segment(enter.node) or "")
+    text = enter.module.segment(enter.node) or "" if isinstance(enter, Function) else ""
+    return any(w in text for w in ("require_backward_grad_sync", "no_sync", "enter_context"))
 
 
 def _run_context_object(flow, s, i, inst, made, st, fr, owner: int):
@@ -169,7 +173,11 @@ def _run_context_object(flow, s, i, inst, made, st, fr, owner: int):
     seed = _constructor_fields(flow, project.attribute(inst.cls, "__init__"), made, st, fr,
                                enter.params[0] if enter.params else "self")
     control = (fr.module, made)
-    inline(flow, enter, made, inst, [], {}, st, fr, control=control, seed=seed)
+    flow.entering.append(owner)
+    try:
+        inline(flow, enter, made, inst, [], {}, st, fr, control=control, seed=seed)
+    finally:
+        flow.entering.pop()
     body = _enter(flow, s, i + 1, st, fr, owner)
     if body is None or not isinstance(leave, Function):
         return body

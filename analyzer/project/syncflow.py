@@ -83,6 +83,7 @@ class Flow(Loops):
         self.incomplete = False
         self.loop_stack: list = []       # ids of the loops being executed, callers' included
         self.optimizer_loops: set = set()  # ids of ``for opt in optimizers: opt.step()`` loops
+        self.entering: list = []         # ids of the withs whose context object's __enter__ runs now
         self.call_stack: list = []       # (module, call) of the project calls being analysed in place
         self.loop_owner: dict = {}       # loop id -> (module, depth of call_stack) where it runs
         self.helpers: dict = {}          # call id -> a @contextmanager helper call, entered by a with
