@@ -214,8 +214,11 @@ class Loops:
         for prop, guard in st.props.items():
             # (prop._replace and token._replace, spelled out: this runs for every property every turn)
             tokens = prop.tokens
-            if any(t.frozen is None for t in tokens):
-                tokens = tuple(_new(Token, t[:8] + (guard,)) if t.frozen is None else t for t in tokens)
+            # (a micro-step of this loop's turn; one made before the loop was entered, like a backward
+            # before ``for g in optimizer.param_groups:``, does not go round with it)
+            if any(t.frozen is None and info.id in t.loops for t in tokens):
+                tokens = tuple(_new(Token, t[:8] + (guard,)) if t.frozen is None and info.id in t.loops else t
+                               for t in tokens)
             g = guard
             for k in forget:
                 g = exists(g, k)
