@@ -2,6 +2,7 @@
 (event_calls.py), which asks these questions of a call it is about to analyse."""
 from __future__ import annotations
 
+import ast
 import re
 
 from synccheck.analyzer.project.values import Bound, Func
@@ -28,6 +29,12 @@ def forward_dispatch(flow, targets, args, kws) -> bool:
         if _EVENT_TEXT.search(text):
             return False
     return True
+
+
+def sum_reduced(node) -> bool:
+    """``F.cross_entropy(..., reduction="sum")``: a loss summed over its examples."""
+    return isinstance(node, ast.Call) and any(
+        kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum" for kw in node.keywords)
 
 
 def clears_grads(flow, func, scope) -> bool:

@@ -29,7 +29,7 @@ class Function:
         self.parent = parent
         args = node.args
         self.params = [a.arg for a in args.posonlyargs + args.args] + [a.arg for a in args.kwonlyargs]
-        self.contextmanager = any(_decorator_name(d) in ("contextmanager", "asynccontextmanager")
+        self.contextmanager = any(called_name(d) in ("contextmanager", "asynccontextmanager")
                                   for d in node.decorator_list)
         self.uid = f"{module.path}:{qualname}"
         self.locals: Optional[set] = None       # names the function binds (filled by values.py on demand)
@@ -39,11 +39,11 @@ class Function:
     @property
     def is_method(self) -> bool:
         return self.cls is not None and self.parent is None and not any(
-            _decorator_name(d) == "staticmethod" for d in self.node.decorator_list)
+            called_name(d) == "staticmethod" for d in self.node.decorator_list)
 
     @property
     def is_property(self) -> bool:
-        return self.cls is not None and any(_decorator_name(d) in ("property", "cached_property")
+        return self.cls is not None and any(called_name(d) in ("property", "cached_property")
                                             for d in self.node.decorator_list)
 
     @property
@@ -205,7 +205,9 @@ def _cut(line: str, start, end) -> str:
     return data[start:end].decode("utf-8", errors="replace")
 
 
-def _decorator_name(node) -> str:
+def called_name(node) -> str:
+    """The last name of a name or attribute, or of a call's callee: ``torch.no_grad()`` -> ``no_grad``,
+    ``@dataclasses.dataclass`` -> ``dataclass``; "" for anything else."""
     if isinstance(node, ast.Call):
         node = node.func
     if isinstance(node, ast.Attribute):

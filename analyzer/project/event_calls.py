@@ -13,8 +13,8 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.call_kinds import FABRIC_REDIRECTED, clears_grads, forward_dispatch
-from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.call_kinds import FABRIC_REDIRECTED, clears_grads, forward_dispatch, sum_reduced
+from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.traversal import walk
@@ -56,16 +56,11 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             st.props = joined.props if joined is not None else {}
             return result
     result = _call_on(flow, node, func, recv, args, kws, st, fr)
-    if _sum_reduced(node):
+    if sum_reduced(node):
         # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
         # to the whole batch's sum; no 1/N is missing from it (SC202)
         result = result._replace(scaled=True)
     return result
-
-
-def _sum_reduced(node: ast.Call) -> bool:
-    return any(kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum"
-               for kw in node.keywords)
 
 
 def _library_steppers(flow, vals) -> frozenset:
@@ -111,14 +106,14 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     inner = _inner_wrappers(callee)
     if inner and all(isinstance(v, Inner) for v in callee):
         return inner_forward(flow, node, inner, args, kws, st, fr)
-    # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training step
-    # computes the loss without the wrapper's forward, as ``model.module(x)`` does
     if recv is not None and func.attr in FABRIC_REDIRECTED:
         # Fabric sends a LightningModule's ``training_step`` (and its siblings) on the module it set up
         # through the wrapper's forward, so that DDP's hooks run (``_FabricModule``)
         fabric = frozenset(v for v in recv.values if isinstance(v, Wrapper) and v.kind == "fabric")
         if fabric:
             return forward(flow, node, fabric, args, kws, st, fr)
+    # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training step
+    # computes the loss without the wrapper's forward, as ``model.module(x)`` does
     inner = _inner_wrappers(recv.values) if recv is not None and _FORWARD_METHOD.search(func.attr) else None
     if inner and not _project_method(flow, recv.values, func.attr):
         return inner_forward(flow, node, inner, args, kws, st, fr)
@@ -397,7 +392,7 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     frame.yield_handler = yield_handler
     # a flag a @contextmanager helper writes is the caller's ``with helper(...)``: reported there
     frame.control = control or fr.control
-    if any(_deco(d) in ("no_grad", "inference_mode") for d in fn.node.decorator_list):
+    if any(called_name(d) in ("no_grad", "inference_mode") for d in fn.node.decorator_list):
         frame.no_grad += 1
     flow.call_stack.append((fr.module, node))
     try:
@@ -549,7 +544,7 @@ def _freeze(value: EnvVal):
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial,
                                                _property_test,
-                                               _deco, _prov, _val, expr)
+                                               _prov, _val, expr)
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
 from synccheck.analyzer.project.micro_step import forward, inner_forward, step as micro_step, zero_grad

@@ -282,12 +282,6 @@ def _cond_of(flow, value: EnvVal, node, st, fr) -> tuple:
     return (TRUE, TRUE)
 
 
-def _deco(node) -> str:
-    if isinstance(node, ast.Call):
-        node = node.func
-    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-
-
 def _text(fr, node) -> str:
     return (fr.module.segment(node) or ast.unparse(node)).strip()
 

@@ -24,7 +24,7 @@ from typing import Iterable, Optional
 
 # Project builds on resolution.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.definitions import (FUNCTION_TYPES, Class, External, Function, GlobalRef, Module,
-                                                    ModuleRef, _cut, _decorator_name, _target_names, qualified_name)
+                                                    ModuleRef, _cut, _target_names, qualified_name)
 from synccheck.analyzer.project.resolution import (_ROOT_MARKERS, Resolution, _init_file, _root_cache,
                                                    project_root)
 

@@ -11,6 +11,7 @@ import ast
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, parameter_default
 from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
@@ -322,12 +323,7 @@ def _fold(node, binding: dict):
 def _main_only(fn) -> Optional[str]:
     """The decorator that makes ``fn`` run on the main process only, if it has one."""
     from synccheck.analyzer.rules.sc301 import RANK_DECORATORS
-    for deco in fn.node.decorator_list:
-        node = deco.func if isinstance(deco, ast.Call) else deco
-        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-        if name in RANK_DECORATORS:
-            return name
-    return None
+    return next((called_name(d) for d in fn.node.decorator_list if called_name(d) in RANK_DECORATORS), None)
 
 
 def _exits(stmts) -> bool:

@@ -11,6 +11,7 @@ import ast
 import re
 from typing import NamedTuple
 
+from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
 # SC104's facts live in unwrapped.py; their names stay importable from here
@@ -104,12 +105,12 @@ def samplers_without_set_epoch(program) -> list:
         return []
     seeded, unknown, once = set(), False, set()
     for scope, call in values.calls("set_epoch"):
-        if isinstance(call.func, ast.Attribute) and _once_before_the_loop(scope, call):
-            once |= {v for v in values.expr(call.func.value, scope) if isinstance(v, Sampler)}
-            continue
         if not isinstance(call.func, ast.Attribute):
             continue
         receiver = values.expr(call.func.value, scope)
+        if _once_before_the_loop(scope, call):
+            once |= {v for v in receiver if isinstance(v, Sampler)}
+            continue
         for v in receiver:
             if isinstance(v, Sampler):
                 seeded.add(v)
@@ -145,7 +146,7 @@ def _once_before_the_loop(scope, call) -> bool:
     # an epoch loop: a count over epochs (``for epoch in range(start_epoch, epochs)``); a function
     # that runs one epoch, ``set_epoch(epoch)`` then ``for batch in loader:``, sets it for that epoch
     loops = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.AsyncFor)) and isinstance(n.iter, ast.Call)
-             and _callee_name(n.iter) in ("range", "trange", "tqdm") and "epoch" in ast.unparse(n.iter).lower()]
+             and called_name(n.iter) in ("range", "trange", "tqdm") and "epoch" in ast.unparse(n.iter).lower()]
     if not loops:
         return False
     return not any(loop.lineno <= call.lineno <= (loop.end_lineno or loop.lineno) for loop in loops)
@@ -168,8 +169,7 @@ def _class_aliases(tree, names: set) -> set:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             value = node.value
             options = (value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,)
-            if any((o.id if isinstance(o, ast.Name) else o.attr if isinstance(o, ast.Attribute) else None) in names
-                   for o in options):
+            if any(not isinstance(o, ast.Call) and called_name(o) in names for o in options):
                 out.add(node.targets[0].id)
     return out
 
@@ -223,16 +223,11 @@ def _counts(loop, module) -> bool:
     if isinstance(it, ast.Name):
         return re.search(r"^[ \t]*" + re.escape(it.id) + r"[ \t]*=[ \t]*(?:[\w.]*\.)?(?:trange|range|count|tqdm[ \t]*\([ \t]*range)\b",
                          module.text, re.M) is not None
-    while isinstance(it, ast.Call) and it.args and _callee_name(it) in ("tqdm", "trange", "enumerate"):
-        if _callee_name(it) == "trange":
+    while isinstance(it, ast.Call) and it.args and called_name(it) in ("tqdm", "trange", "enumerate"):
+        if called_name(it) == "trange":
             return True
         it = it.args[0]
-    return isinstance(it, ast.Call) and _callee_name(it) in ("range", "count", "trange")
-
-
-def _callee_name(call) -> str:
-    f = call.func
-    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    return isinstance(it, ast.Call) and called_name(it) in ("range", "count", "trange")
 
 
 def _assigned_name(module, call) -> str:
@@ -320,7 +315,7 @@ def _static_graph_strategies(program, node, scope, depth: int = 0) -> list:
     values = program.values
     if isinstance(node, ast.Call):
         func = node.func
-        if _callee_name(node) == "DDPStrategy":
+        if called_name(node) == "DDPStrategy":
             if any(k.arg == "static_graph" and isinstance(k.value, ast.Constant) and k.value.value is True
                    for k in node.keywords):
                 return [(values.module_of(scope), node)]

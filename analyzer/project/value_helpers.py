@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 # the call sites of a name, found from the text first: in call_sites.py, re-exported here
 from synccheck.analyzer.project.call_sites import CALL_WORD, _call_lines, _calls_named, call_lines  # noqa: F401
-from synccheck.analyzer.project.definitions import Class, External, Function, Module, ModuleRef
+from synccheck.analyzer.project.definitions import Class, External, Function, Module, ModuleRef, called_name  # noqa: F401
 from synccheck.analyzer.project.scopes import scope_attribute_stores
 from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Cls, Const, Ext, Mod, _cap
@@ -103,12 +103,6 @@ def _symbol_of(v):
     if isinstance(v, Cls):
         return v.cls
     return None
-
-
-def _deco(node) -> str:
-    if isinstance(node, ast.Call):
-        node = node.func
-    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
 
 
 def parameter_default(node, name: str):

@@ -13,7 +13,7 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Class, Function, qualified_name
-from synccheck.analyzer.project.value_helpers import _argument, _calls_named, _deco, call_lines, parameter_default
+from synccheck.analyzer.project.value_helpers import _argument, _calls_named, call_lines, called_name, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
                                                     Framework, Inst, Obj, Wrapper, site_of)
 
@@ -40,7 +40,7 @@ class ParameterValues:
         index = fn.params.index(name)
         node = fn.node
         if fn.is_method and index == 0:
-            if any(_deco(d) == "classmethod" for d in node.decorator_list):
+            if any(called_name(d) == "classmethod" for d in node.decorator_list):
                 return frozenset(Cls(k) for k in self.project.subclasses(fn.cls))
             return frozenset(Inst(k) for k in self._concrete(self.project.subclasses(fn.cls)))
         out = set()

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import ast
 
+from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.value_types import Cls, Inst
 
 _RECORD_DECORATORS = frozenset(("dataclass", "define", "frozen", "mutable", "s", "attrs"))
-
-
-def _decorator_name(node) -> str:
-    node = node.func if isinstance(node, ast.Call) else node
-    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
 
 
 class RecordValues:
@@ -23,8 +19,8 @@ class RecordValues:
         if key not in self._plain:
             self._plain[key] = ()
             chain = [k for k in reversed(self.project.mro(klass)) if k.node is not None]
-            record = any(_decorator_name(d) in _RECORD_DECORATORS for k in chain for d in k.node.decorator_list) or any(
-                (b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")) == "NamedTuple"
+            record = any(called_name(d) in _RECORD_DECORATORS for k in chain for d in k.node.decorator_list) or any(
+                called_name(b) == "NamedTuple"
                 for k in chain for b in k.node.bases)
             fields = {}
             if record and "__init__" not in klass.methods:

@@ -37,7 +37,7 @@ from synccheck.analyzer.project.value_records import RecordValues
 # re-exported: every name values.py held before the split stays importable from here
 from synccheck.analyzer.project.value_helpers import (CALL_WORD, _ARITHMETIC, _OUTSIDE_STORE, _accumulates,
                                                       _argument, _arithmetic, _call_lines, _calls_named,
-                                                      _class_attrs, _deco, _first_arg, _kw, _mentions, _named,
+                                                      _class_attrs, called_name, _first_arg, _kw, _mentions, _named,
                                                       _parameter_sources, _reaching, _single_device, _symbol_of,
                                                       _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLERS, MAX_DEPTH, MAX_PARAM_DEPTH,
@@ -370,7 +370,7 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
             if isinstance(v, (Mod, Ext, Cls)):
                 sym = self.project.attribute(v.module if False else _symbol_of(v), attr)
                 if isinstance(v, Cls) and isinstance(sym, Function) and sym.is_method and any(
-                        _deco(d) == "classmethod" for d in sym.node.decorator_list):
+                        called_name(d) == "classmethod" for d in sym.node.decorator_list):
                     out.add(Bound(sym, v))         # ``Pipe.load(path)``: ``cls`` is Pipe
                     continue
                 out |= self.symbol(sym) if sym is not None else (

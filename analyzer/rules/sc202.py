@@ -125,6 +125,7 @@ def _sums_its_loss(program, model, info) -> bool:
     """Does the forward of the model that made this loss return a loss reduced by sum
     (``return F.cross_entropy(logits, targets, reduction="sum")``)? Its micro-steps' gradients then add
     up to the whole batch's, the convention of a sum loss: no 1/N is missing."""
+    from synccheck.analyzer.project.call_kinds import sum_reduced
     from synccheck.analyzer.project.index import Function
     from synccheck.analyzer.project.value_types import Inst, Obj, Wrapper
     candidates = set()
@@ -145,10 +146,10 @@ def _sums_its_loss(program, model, info) -> bool:
             continue
         summed = set()
         for node in ast.walk(forward.node):
-            if isinstance(node, ast.Assign) and _sum_reduced(node.value):
+            if isinstance(node, ast.Assign) and sum_reduced(node.value):
                 summed.update(t.id for t in node.targets if isinstance(t, ast.Name))
             if isinstance(node, ast.Return) and node.value is not None and (
-                    _sum_reduced(node.value) or isinstance(node.value, ast.Name) and node.value.id in summed):
+                    sum_reduced(node.value) or isinstance(node.value, ast.Name) and node.value.id in summed):
                 return True
     return False
 
@@ -189,11 +190,6 @@ def _made_by(info):
             if found is None or n.lineno > found.lineno:
                 found = n
     return found.value if found is not None else None
-
-
-def _sum_reduced(node) -> bool:
-    return isinstance(node, ast.Call) and any(
-        kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum" for kw in node.keywords)
 
 
 def _grads_rescaled(flow) -> bool:
