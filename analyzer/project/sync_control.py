@@ -14,6 +14,7 @@ import ast
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import Control, EnvVal
 from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.value_helpers import _argument
 from synccheck.analyzer.project.values import Ext, Inst, Obj, Unknown, site_of
 
 
@@ -188,21 +189,16 @@ def _run_context_object(flow, s, i, inst, made, st, fr, owner: int):
 def _constructor_fields(flow, init, made, st, fr, me: str) -> dict:
     """``self.x`` (``me``: the name of ``self``) -> the value the call ``made`` passed for the
     ``__init__`` parameter stored there."""
-    if not isinstance(init, Function):
+    if not isinstance(init, Function) or not init.params:
         return {}
-    params = list(init.params)[1:]
-    passed = {}
-    for k, a in enumerate(made.args):
-        if isinstance(a, ast.Starred) or k >= len(params):
-            break
-        passed[params[k]] = a
-    passed.update({kw.arg: kw.value for kw in made.keywords if kw.arg in params})
     out = {}
     for stmt in init.node.body:
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute) and \
                 isinstance(stmt.targets[0].value, ast.Name) and stmt.targets[0].value.id == init.params[0] and \
-                isinstance(stmt.value, ast.Name) and stmt.value.id in passed:
-            out[f"{me}.{stmt.targets[0].attr}"] = expr(flow, passed[stmt.value.id], st, fr)
+                isinstance(stmt.value, ast.Name) and stmt.value.id in init.params[1:]:
+            passed = _argument(made, init, stmt.value.id, init.params.index(stmt.value.id), 1)
+            if passed is not None:
+                out[f"{me}.{stmt.targets[0].attr}"] = expr(flow, passed, st, fr)
     return out
 
 
