@@ -9,6 +9,7 @@ module-level variable), or an ``External`` qualified name the vocabulary underst
 from __future__ import annotations
 
 import ast
+import zlib
 from typing import Optional
 
 from synccheck.analyzer.project.scopes import _names as _target_names
@@ -16,10 +17,17 @@ from synccheck.analyzer.project.scopes import _names as _target_names
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
 
+def _stable_hash(uid: str, node) -> int:
+    """The same number in every run: sets of functions and classes (and of the values that hold them)
+    are iterated in an order that does not depend on where the objects happen to sit in memory, so
+    a cycle among attribute values is entered in the same order every time."""
+    return zlib.crc32(f"{uid}:{node.lineno}:{node.col_offset}".encode())
+
+
 class Function:
     """A function or method of an indexed module."""
     __slots__ = ("node", "module", "qualname", "cls", "parent", "params", "contextmanager", "uid", "locals",
-                 "nested", "info", "__weakref__")
+                 "nested", "info", "_hash", "__weakref__")
 
     def __init__(self, node, module: "Module", qualname: str, cls: Optional["Class"], parent: Optional["Function"]):
         self.node = node
@@ -32,6 +40,7 @@ class Function:
         self.contextmanager = any(called_name(d) in ("contextmanager", "asynccontextmanager")
                                   for d in node.decorator_list)
         self.uid = f"{module.path}:{qualname}"
+        self._hash = _stable_hash(self.uid, node)
         self.locals: Optional[set] = None       # names the function binds (filled by values.py on demand)
         self.nested: dict = {}                   # name -> Function defined inside this one
         self.info = None                         # what it binds (scopes.ScopeInfo, filled on demand)
@@ -68,12 +77,15 @@ class Function:
         exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
         return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
 
+    def __hash__(self) -> int:
+        return self._hash
+
     def __repr__(self) -> str:
         return f"<Function {self.uid}>"
 
 
 class Class:
-    __slots__ = ("node", "module", "qualname", "methods", "uid", "bases", "mro", "attrs", "__weakref__")
+    __slots__ = ("node", "module", "qualname", "methods", "uid", "bases", "mro", "attrs", "_hash", "__weakref__")
 
     def __init__(self, node: ast.ClassDef, module: "Module", qualname: str):
         self.node = node
@@ -81,9 +93,13 @@ class Class:
         self.qualname = qualname
         self.methods: dict = {}
         self.uid = f"{module.path}:{qualname}"
+        self._hash = _stable_hash(self.uid, node)
         self.bases = None           # resolved once (Project.bases)
         self.mro = None
         self.attrs = None           # attr -> [(method, value, unpack path)] of self.attr = value (values.py)
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __repr__(self) -> str:
         return f"<Class {self.uid}>"
@@ -109,7 +125,11 @@ class Module:
         self.top: dict = {}          # top-level name -> Function | Class
         self.globals: dict = {}      # top-level name -> [value expressions]
         self.derived: dict = {}      # what the analysis read off the tree and text once, kept with them
+        self._hash = zlib.crc32(path.encode())
         self._index()
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def __repr__(self) -> str:
         return f"<Module {self.name} {self.path}>"
