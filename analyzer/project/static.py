@@ -87,9 +87,8 @@ def samplers_without_set_epoch(program) -> list:
             if any((b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")).endswith("Sampler")
                    for b in klass.node.bases) and any(
                     base.rpartition(".")[2] == "DistributedSampler" for base in program.project.external_bases(klass)):
-                text = module.segment(klass.node) or ""
-                if "__iter__" not in klass.methods and "def __iter__" not in text or "epoch" in text:
-                    names.add(klass.node.name)      # (an order of its own that no epoch seeds needs no set_epoch)
+                if _seeded_by_set_epoch(klass):
+                    names.add(klass.node.name)
     # ``sampler_cls = RandomSampler if args.local_rank == -1 else DistributedSampler``, called later
     for module in program.project.modules():
         if "Sampler" in module.text:
@@ -135,6 +134,32 @@ def samplers_without_set_epoch(program) -> list:
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name, sampler in once))
     return out
+
+
+def _seeded_by_set_epoch(klass) -> bool:
+    """A DistributedSampler subclass whose order the epoch set by ``set_epoch`` seeds: it keeps the
+    base's ``__iter__``, or its own calls ``super().__iter__()`` or reads ``self.epoch``. One that bumps
+    ``self.epoch`` itself on every pass (``self.epoch += 1`` outside ``set_epoch``) reshuffles without
+    it, and one with an order of its own that no epoch seeds needs none."""
+    iterate = klass.methods.get("__iter__")
+    if iterate is None:
+        return True
+    for method in klass.methods.values():
+        if method.node.name == "set_epoch":
+            continue
+        for node in ast.walk(method.node):
+            if isinstance(node, ast.AugAssign) and _is_self_epoch(node.target) or (
+                    method is iterate and isinstance(node, ast.Assign) and any(map(_is_self_epoch, node.targets))):
+                return False
+    return any(_is_self_epoch(node) or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+               and node.func.attr == "__iter__" and isinstance(node.func.value, ast.Call)
+               and called_name(node.func.value) == "super"
+               for node in ast.walk(iterate.node))
+
+
+def _is_self_epoch(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "epoch" and isinstance(node.value, ast.Name) \
+        and node.value.id == "self"
 
 
 def _once_before_the_loop(scope, call) -> bool:
