@@ -171,7 +171,8 @@ class _RankChecker(RankTests):
         text = ast.unparse(func.value)
         if text in ("dist", "torch.distributed", "distributed") and attr in vocab.COLLECTIVES:
             return _kind(attr)
-        if text.endswith(("accelerator", "fabric")) and attr in vocab.FRAMEWORK_COLLECTIVES:
+        # Lightning's ``trainer.strategy.barrier()`` / ``self.trainer.strategy.broadcast(x)`` too
+        if text.endswith(("accelerator", "fabric", "strategy")) and attr in vocab.FRAMEWORK_COLLECTIVES:
             return _kind(attr)
         return None
 

@@ -10,7 +10,7 @@ RANK_TEST = re.compile(RANK_TEST_TEXT)
 # Substrings that between them cover every name RANK_TEST accepts ("master" for nanoGPT's `master_process`
 # as well as `is_master`): the text pre-check looks for these before any regex runs.
 RANK_WORDS = ("rank", "main_process", "master", "global_zero", "process_zero", "is_main", "is_chief")
-CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.")
+CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "strategy.")
 
 
 FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
@@ -18,7 +18,7 @@ FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
 RANK_DECORATORS = ("rank_zero_only", "on_main_process", "on_local_main_process", "main_process_only", "rank0_only",
                    "master_only", "on_rank_zero")
 RANK_DECORATOR = re.compile(r"^[ \t]*@[\w.]*\b(?:" + "|".join(RANK_DECORATORS) + r")\b", re.M)
-COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric)\.(barrier|monitored_barrier|all_reduce|"
+COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric|strategy)\.(barrier|monitored_barrier|all_reduce|"
                    r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|gather_for_metrics|scatter\w*|"
                    r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
 COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT)
