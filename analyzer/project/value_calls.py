@@ -138,6 +138,25 @@ class CallValues:
             return ONE_UNKNOWN
         return frozenset((Obj(site),))
 
+    def _static_graph_in(self, node, scope) -> bool:
+        """``DDP(net, **ddp_kwargs)`` where ``ddp_kwargs = {"static_graph": True, ...}`` (or
+        ``dict(static_graph=True, ...)``) is bound in the same scope or at the module's top."""
+        if not isinstance(node, ast.Name):
+            return False
+        if isinstance(scope, Function):
+            bound = [value for value, _ in self.info(scope).assigns.get(node.id, ())]
+        else:
+            bound = list(scope.globals.get(node.id, ()))
+        for value in bound:
+            if isinstance(value, ast.Dict):
+                if any(isinstance(k, ast.Constant) and k.value == "static_graph" and _truthy(v)
+                       for k, v in zip(value.keys, value.values)):
+                    return True
+            elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
+                if any(kw.arg == "static_graph" and _truthy(kw.value) for kw in value.keywords):
+                    return True
+        return False
+
     def _external_call(self, qual: str, call: ast.Call, scope, module, site) -> frozenset:
         kind = vocab.wrapper_kind(qual)
         last = vocab.tail(qual)
@@ -146,7 +165,8 @@ class CallValues:
                                    ONE_UNKNOWN, ONE_UNKNOWN)),))
         if kind:
             self.sites[site] = (_first_arg(call, "module"), scope)
-            static = any(kw.arg == "static_graph" and _truthy(kw.value) for kw in call.keywords)
+            static = any(kw.arg == "static_graph" and _truthy(kw.value) for kw in call.keywords) or any(
+                kw.arg is None and self._static_graph_in(kw.value, scope) for kw in call.keywords)
             return frozenset((Wrapper(kind, site, static),))
         if qual in vocab.ACCELERATOR:
             return frozenset((Framework("accelerate", site, _accumulates(call)),))
