@@ -69,8 +69,10 @@ class UnseededSampler(NamedTuple):
     once: bool = False        # set_epoch is called on it, once, before the epoch loop
 
 
-# a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``
-_EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|valid|validation|eval|evaluation|test|dev)(?:[^a-z]|$)")
+# a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``,
+# ``valsampler``, ``DistributedSampler(valset)``
+_EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|valid|validation|eval|evaluation|test|dev)"
+                         r"(?:[^a-z]|$|sampler|loader|set|data)")
 
 
 def samplers_without_set_epoch(program) -> list:
