@@ -210,7 +210,7 @@ class Conditions:
                     # ``if self.accum_count == 1:`` in a method the loop calls: the attributes of the
                     # caller's own objects, by what the receiver is a copy of, hold between calls
                     versions = tuple(origin[2] for origin, _ in stable)
-                    atom = self.atoms.get(("STABLE", dump, stable), text)
+                    atom = self.atoms.get(("STABLE", dump, stable), text, bound=_bound(node, ("STABLE", stable)))
                     seen = (atom.index, id(fr.scope)) if atom is not None else None
                     if seen is not None and seen not in self._stable_seen and all(v == 0 for v in versions):
                         # (still tested afresh each turn, unless it turns out to guard a zero_grad:
@@ -219,7 +219,7 @@ class Conditions:
                         if not self._written(stable, fr):
                             self.flow.stable_atoms.add(atom.index)
                 else:
-                    atom = self.atoms.get((dump, versions), text)
+                    atom = self.atoms.get((dump, versions), text, bound=_bound(node, versions))
             if atom is None:
                 return BOTH
             if not polarity and atom.negated is None:
@@ -228,7 +228,7 @@ class Conditions:
                 atom.counter = self.flow.counter_loop(mod[0], fr)
             if atom.first is None and mod is None and isinstance(node, ast.Compare):
                 self._first(atom, node, fr)
-            self.flow.note_atom(atom, versions, changes or fr.depth > 0, names)
+            self.flow.note_atom(atom, versions, changes or fr.depth > 0, names, not changes and fr.depth > 0)
         true, false = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         return (true, false) if polarity else (false, true)
 
@@ -382,6 +382,19 @@ def _whole_range(node, loop) -> Optional[bool]:
             isinstance(right.right, ast.Constant) and right.right.value == 1:
         return True if isinstance(op, ast.LtE) else False if isinstance(op, ast.Gt) else None
     return None
+
+
+def _bound(node, versions) -> Optional[tuple]:
+    """(what is compared, operator, number) of ``x == 1``, ``cfg.accum > 1``, ``n >= 2`` (Atoms.get)."""
+    if type(node) is not ast.Compare or len(node.ops) != 1 or type(node.ops[0]) not in _BOUND_OPS:
+        return None
+    right = node.comparators[0]
+    if type(right) is not ast.Constant or type(right.value) not in (int, float):
+        return None
+    return (ast.dump(node.left), versions), type(node.ops[0]), right.value
+
+
+_BOUND_OPS = frozenset((ast.Eq, ast.Lt, ast.LtE, ast.Gt, ast.GtE))
 
 
 def _constant(value) -> Optional[bool]:

@@ -314,7 +314,8 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
             steps |= flow.records.reach.get(resolver, 0)
     steps &= universe
     info = flow.loop_infos.get(pop.loop)
-    turning = [a.index for a in flow.atoms.atoms if info is None or flow._loop_dependent(a, info)]
+    turning = [a.index for a in flow.atoms.atoms
+               if info is None or flow._loop_dependent(a, info) and not flow.holds_through(a, info)]
 
     def fixed(formula: int) -> int:
         for k in turning:

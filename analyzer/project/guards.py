@@ -85,6 +85,10 @@ class Atom:
         return f"`{self.text}` is {'true' if value else 'false'}{self.after}"
 
 
+_COMPARE = {ast.Eq: lambda x, n: x == n, ast.Lt: lambda x, n: x < n, ast.LtE: lambda x, n: x <= n,
+            ast.Gt: lambda x, n: x > n, ast.GtE: lambda x, n: x >= n}
+
+
 class Atoms:
     """The atom table of one analysis (one training loop and everything it calls)."""
 
@@ -93,8 +97,13 @@ class Atoms:
         self.atoms: list = []
         self.universe = TRUE
         self.overflowed = False
+        self.bounds: dict = {}       # what is compared -> [(atom, operator, number)] (get's ``bound``)
 
-    def get(self, key, text: str, mod=None) -> Optional[Atom]:
+    def get(self, key, text: str, mod=None, bound=None) -> Optional[Atom]:
+        """The atom of ``key``, made on first use. ``mod``: (counter, modulus, residue) of a modular
+        test; ``bound``: (what is compared, operator, number) of ``x == 1``, ``x > 1``, ``x >= 2``: two
+        tests of one value against numbers that cannot both hold, or one that implies the other,
+        are said so in the universe."""
         atom = self.by_key.get(key)
         if atom is not None:
             return atom
@@ -109,7 +118,23 @@ class Atoms:
                 if other.mod is not None and other.mod[:2] == mod[:2] and not _compatible(other.mod, mod):
                     # both true is impossible: (i + c) % n == 0 and (i + d) % n == 0 with c != d
                     self.universe &= ~(MASKS[atom.index] & MASKS[other.index]) & TRUE
+        if bound is not None:
+            self.bounds.setdefault(bound[0], []).append((atom, bound[1], bound[2]))
+            for other, op, number in self.bounds[bound[0]][:-1]:
+                self._relate(atom, bound[1], bound[2], other, op, number)
         return atom
+
+    def _relate(self, a: Atom, op_a, num_a, b: Atom, op_b, num_b) -> None:
+        # the number line splits at the two numbers: a point on each side and between decides
+        points = [n + d for n in (num_a, num_b) for d in (-1, -0.5, 0, 0.5, 1)]
+        both = [(_COMPARE[op_a](p, num_a), _COMPARE[op_b](p, num_b)) for p in points]
+        a_mask, b_mask = MASKS[a.index], MASKS[b.index]
+        if not any(x and y for x, y in both):
+            self.universe &= ~(a_mask & b_mask) & TRUE
+        if all(y for x, y in both if x):
+            self.universe &= ~(a_mask & ~b_mask) & TRUE
+        if all(x for x, y in both if y):
+            self.universe &= ~(b_mask & ~a_mask) & TRUE
 
     def formula(self, atom: Atom, value: bool = True) -> int:
         mask = MASKS[atom.index]

@@ -270,11 +270,24 @@ class Loops:
                 return True
         return False
 
-    def note_atom(self, atom, versions, volatile: bool, names=()) -> None:
+    def holds_through(self, atom, info: LoopInfo) -> bool:
+        """A test in a function the loop calls, tested inside a loop of that function (``info``) on
+        names that loop does not rebind (``if accum == 1:`` in ``train_one_epoch``): the same on every
+        turn of that loop, though another call may see it otherwise."""
+        if atom.index not in self.atom_in_callee or info.id not in self.atom_loops.get(atom.index, ()):
+            return False
+        names = self.atom_names.get(atom.index)
+        return bool(names) and self._rebound(info).isdisjoint(names)
+
+    def note_atom(self, atom, versions, volatile: bool, names=(), in_callee: bool = False) -> None:
+        """``in_callee``: volatile only because the test is in a function the loop calls, whose names
+        a later call may bind anew (not for a call or an item in the test itself)."""
         if atom.index not in self.atom_info:
             self.atom_info[atom.index] = (versions, volatile)
             if names:
                 self.atom_names[atom.index] = names
+            if in_callee:
+                self.atom_in_callee.add(atom.index)
         self.atom_loops.setdefault(atom.index, set()).update(self.loop_stack)
 
     def counter_loop(self, counter_dump: str, fr: Frame):

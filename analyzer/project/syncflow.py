@@ -73,6 +73,7 @@ class Flow(Loops):
         self.atom_info: dict = {}        # atom index -> (versions, volatile)
         self.atom_loops: dict = {}       # atom index -> ids of the loops it was tested in
         self.atom_names: dict = {}       # atom index -> the names its test reads
+        self.atom_in_callee: set = set()  # atoms volatile only for being tested in a callee (note_atom)
         self.stable_atoms: set = set()   # atoms that hold the same value all through the analysis
         self.loop_infos: dict = {}
         self.last_atoms: dict = {}
