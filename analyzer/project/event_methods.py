@@ -21,6 +21,8 @@ from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Co
                                                Optim, Scaler, Unknown, Wrapper, site_of)
 
 
+_LITERAL_SEQUENCES = (ast.List, ast.Tuple, ast.ListComp)
+_NO_MODEL = "no model: a list"      # what a control names when it names no wrapper (an empty set names any)
 _RUNS_FIRST_ARG = frozenset(("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                              "deepspeed.checkpointing.checkpoint", "torch.func.functional_call"))
 
@@ -167,7 +169,14 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
     if attr in ("no_sync", "accumulate") and "accelerate" in frameworks:
         # ``accelerator.accumulate(generator, discriminator)``: every model named (no_sync takes one)
         models = frozenset()
-        for a in (args if attr == "accumulate" else args[:1]):
+        named = list(zip(node.args, args)) if attr == "accumulate" else list(zip(node.args, args))[:1]
+        # ``accelerator.accumulate([model, loss_module])``: a list is no model; accelerate's
+        # ``no_sync(list)`` falls back to a nullcontext, so nothing it holds skips the all-reduce
+        # (accumulate still moves accelerate's step counter: a prepared optimizer steps at the boundary)
+        named = [(n, a) for n, a in named if not isinstance(n, _LITERAL_SEQUENCES)]
+        if args and not named:
+            models = frozenset((_NO_MODEL,))
+        for _, a in named:
             models |= program.wrappers(a.values)
         effect = "managed" if attr == "accumulate" else "off"
         return _val(frozenset((FlowCtx(effect, models, site, _text(fr, node)),)))
