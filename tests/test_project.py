@@ -1,6 +1,5 @@
 """Whole-program analysis: the training loop spread over functions, classes and files, as real code
 spreads it. Each case is a small project written to a folder and linted as a user would lint it."""
-import os
 import textwrap
 
 import pytest
@@ -836,31 +835,3 @@ def test_registry_method_defined_by_unrelated_classes_is_not_guessed(tmp_path):
              """}
     assert check_project(tmp_path, files) == set()
 
-
-_ORDER_PROBE = """
-import ast, sys
-from synccheck.analyzer.project.index import Project
-text = "class Trainer:\\n    def train(self):\\n        pass\\n\\n    def step(self):\\n        pass\\n"
-project = Project(filesystem=False)
-module = project.add("trainer.py", text, ast.parse(text))
-symbols = list(module.functions.values()) + list(module.classes.values())
-print([s.uid for s in set(symbols)], [hash(s) for s in symbols])
-"""
-
-
-def test_functions_and_classes_hash_alike_in_every_run(tmp_path):
-    """Sets of functions and classes (and the values holding them) are walked in one order in every
-    run, whatever the memory layout or the hash seed: a cycle among attribute values (``self.policy``
-    stored raw in ``__init__`` and prepared in another method) is entered in that order, and its
-    result once depended on where the objects happened to sit in memory (HALOs' trainers.py gave
-    SC104 in most runs and SC101 in some)."""
-    import subprocess
-    import sys
-    outputs = set()
-    for seed in ("0", "1", "2"):
-        for _ in range(2):
-            env = dict(os.environ, PYTHONHASHSEED=seed)
-            done = subprocess.run([sys.executable, "-c", _ORDER_PROBE], capture_output=True, text=True,
-                                  env=env, check=True)
-            outputs.add(done.stdout)
-    assert len(outputs) == 1, outputs
