@@ -145,6 +145,31 @@ def _find_package_roots(directory: str) -> list:
     return roots
 
 
+def path_tails(paths) -> dict:
+    """(a, b) -> the files among ``paths`` (absolute) that ``import a.b`` may mean wherever their
+    tree is put on ``sys.path``: .../a/b.py and .../a/b/__init__.py (tails of two to five parts)."""
+    table: dict = {}
+    for apath in paths:
+        pieces = apath.split(os.sep)
+        if pieces[-1] == "__init__.py":
+            pieces = pieces[:-1]
+        elif pieces[-1].endswith(".py"):
+            pieces[-1] = pieces[-1][:-3]
+        for k in range(2, min(len(pieces), 5) + 1):
+            table.setdefault(tuple(pieces[-k:]), set()).add(apath)
+    return table
+
+
+def by_tail(table: dict, level: int, name: str):
+    """The one file of ``table`` (path_tails) a dotted absolute import names, or None: a launcher in
+    ``pytorch/launcher/`` importing ``libs.egs`` from ``pytorch/libs/``, which a ``sys.path.insert``
+    puts on the path when it runs."""
+    if level or "." not in name:
+        return None
+    found = table.get(tuple(name.split(".")), ())
+    return next(iter(found)) if len(found) == 1 else None
+
+
 class Components:
     """Union-find over the files being linted (and the project files that connect them)."""
 
@@ -172,6 +197,7 @@ class Components:
         todo = list(files)
         hops = 0
         is_file: dict = {}          # the same candidates come up for many files: each is looked at once
+        tails = None
         while todo:
             path = todo.pop()
             self.parent.setdefault(path, path)
@@ -189,6 +215,12 @@ class Components:
                             todo.append(candidate)
                         self.union(path, candidate)
                         break
+                else:
+                    if not level and "." in name:
+                        tails = path_tails(files) if tails is None else tails
+                        target = by_tail(tails, level, name)
+                        if target is not None:
+                            self.union(path, target)
         groups: dict = {}
         for path in known:
             if path in files or path in self.parent:

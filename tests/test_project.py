@@ -835,3 +835,51 @@ def test_registry_method_defined_by_unrelated_classes_is_not_guessed(tmp_path):
              """}
     assert check_project(tmp_path, files) == set()
 
+
+
+def test_import_resolved_by_a_unique_path_tail_in_the_lint_set(tmp_path):
+    """A launcher in a sub-folder imports the project's packages as top-level modules (a
+    ``sys.path.insert`` puts their folder on the path when it runs): ``import libs.egs`` from
+    ``pytorch/launcher/run.py`` means ``pytorch/libs/egs.py``, the one file of the lint set with
+    that tail (asv-subtools). Linting the repository root finds the sampler the launcher's trainer
+    iterates."""
+    files = {
+        "pytorch/libs/__init__.py": "",
+        "pytorch/libs/egs.py": """
+            from torch.utils.data import DataLoader, DistributedSampler
+
+            class Bunch:
+                def __init__(self, trainset):
+                    sampler = DistributedSampler(trainset, shuffle=True)  # SC302
+                    self.train_loader = DataLoader(trainset, sampler=sampler, batch_size=32)
+        """,
+        "pytorch/libs/trainer.py": """
+            class Trainer:
+                def __init__(self, model, optimizer, bunch):
+                    self.model, self.optimizer, self.data = model, optimizer, bunch
+
+                def run(self, epochs):
+                    for epoch in range(epochs):
+                        for x, y in self.data.train_loader:
+                            self.optimizer.zero_grad()
+                            self.model(x, y).backward()
+                            self.optimizer.step()
+        """,
+        "pytorch/launcher/run.py": """
+            import sys
+
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            sys.path.insert(0, "subtools/pytorch")
+            import libs.egs as egs
+            import libs.trainer as trainer
+
+            def main(model, trainset):
+                model = DDP(model)
+                trainer.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), egs.Bunch(trainset)).run(10)
+        """,
+        # a second tree with the same module names: ``import other.egs`` is not guessed between them
+        "tools/other/egs.py": "",
+        "vendor/other/egs.py": "",
+    }
+    check_project(tmp_path, files)

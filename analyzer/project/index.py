@@ -48,6 +48,7 @@ class Project(Resolution):
         dirs = dict.fromkeys(os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r) or ".") for r in roots)
         self.roots = [d for d in dirs if not os.path.isfile(os.path.join(d, "__init__.py"))] or list(dirs)[:1]
         self._find_cache: dict = {}
+        self._suffixes: Optional[tuple] = None   # (files counted, path tail -> files): _lint_set_suffix
         self._paths: dict = {}           # (folder, module name parts) -> the file found there, or None
         self._resolved: dict = {}
         self.context_loaded = 0

@@ -13,6 +13,7 @@ import ast
 import os
 from typing import Optional
 
+from synccheck.analyzer.imports import by_tail, path_tails
 from synccheck.analyzer.project.definitions import Class, External, GlobalRef, Module, ModuleRef
 from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
 
@@ -42,8 +43,17 @@ class Resolution:
             found = self._find_path(root, name.split("."))
             if found:
                 break
+        if found is None:
+            found = self._lint_set_suffix(name)
         self._find_cache[key] = found
         return self._load(found) if found else None
+
+    def _lint_set_suffix(self, name: str) -> Optional[str]:
+        """imports.by_tail over the files of the lint set."""
+        count = len(self.by_path) + len(self.catalog)
+        if self._suffixes is None or self._suffixes[0] != count:
+            self._suffixes = (count, path_tails(list(self.by_path) + list(self.catalog)))
+        return by_tail(self._suffixes[1], 0, name)
 
     def _find_file(self, directory: str, parts: list) -> Optional[Module]:
         path = self._find_path(directory, parts) if parts else self._init_file(directory)
