@@ -385,8 +385,8 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
                     self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
                 else:
                     out.add(UNKNOWN)
-            elif isinstance(v, Loader) and attr in ("sampler", "batch_sampler"):
-                out |= self.loader_samplers(v)
+            elif isinstance(v, Loader) and attr in _LOADER_SAMPLERS:
+                out |= self.loader_samplers(v, attr)
             elif isinstance(v, (Obj, Unknown)) and attr == "no_sync":
                 out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
                 self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
@@ -443,17 +443,29 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
                     stores.setdefault(a, []).append((scope, receiver, value, path))
         return stores.get(attr, [])
 
-    def loader_samplers(self, loader: Loader) -> frozenset:
+    def loader_samplers(self, loader: Loader, attr: Optional[str] = None) -> frozenset:
+        """The samplers a DataLoader was given; ``attr``: only what ``loader.sampler`` (or
+        ``loader.batch_sampler``) holds. A loader built with ``batch_sampler=`` has DataLoader's own
+        SequentialSampler as its ``.sampler``: the DistributedSampler inside the batch sampler is not
+        there, and ``loader.sampler.set_epoch`` does not reach it."""
         call, scope = self.sites.get(loader.site, (None, None))
         if call is None:
             return ONE_UNKNOWN
+        given = {kw.arg: kw.value for kw in call.keywords if kw.arg in _LOADER_SAMPLERS}
+        # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...)
+        for position, name in ((3, "sampler"), (4, "batch_sampler")):
+            if len(call.args) > position and not any(isinstance(a, ast.Starred) for a in call.args[:position + 1]):
+                given.setdefault(name, call.args[position])
+        if any(kw.arg is None for kw in call.keywords) and not given:
+            return ONE_UNKNOWN      # DataLoader(dataset, **loader_kwargs)
         out = set()
-        for kw in call.keywords:
-            if kw.arg in ("sampler", "batch_sampler"):
-                out |= {v for v in self.expr(kw.value, scope) if isinstance(v, (Sampler, Unknown, Obj))}
-        if len(call.args) >= 3:          # DataLoader(dataset, batch_size, shuffle, sampler, ...)
-            pass
+        for name, node in given.items():
+            if attr is None or name == attr:
+                out |= {v for v in self.expr(node, scope) if isinstance(v, (Sampler, Unknown, Obj))}
         return frozenset(out) or EMPTY
+
+
+_LOADER_SAMPLERS = ("sampler", "batch_sampler")
 
 
 def _receiver_of(node):
