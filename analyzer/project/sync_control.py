@@ -223,15 +223,51 @@ def _opaque_context(flow, node, vals, fr) -> bool:
     (we then give the micro-step no verdict rather than a wrong one)."""
     if not flow.program.mentions_no_sync:
         return False
-    func = node.func if isinstance(node, ast.Call) else node
-    text = _text(fr, func)
-    qual = next((v.qualname for v in flow.values.expr(func, fr.scope) if isinstance(v, Ext)), text)
-    if any(qual.startswith(h) or h in text for h in HARMLESS_CONTEXTS):
-        return False
-    if isinstance(func, ast.Attribute) and func.attr in ("autocast", "no_grad", "profile", "timer", "record_function",
-                                                         "inference_mode", "main_process_first", "join"):
+    if isinstance(node, ast.Name):
+        # ``ctx = nullcontext() if device_type == "cpu" else torch.cuda.amp.autocast()`` made once,
+        # then ``with ctx:`` in the loop (nanoGPT, minimind): what it is bound to says what it is
+        made = _bound_calls(flow, node.id, fr)
+        if made and all(_harmless_call(flow, call, fr.scope if scope is None else scope, fr)
+                        for call, scope in made):
+            return False
+    if _harmless_call(flow, node, fr.scope, fr):
         return False
     return any(isinstance(v, (Obj, Unknown, Ext)) for v in vals)
+
+
+def _harmless_call(flow, node, scope, fr) -> bool:
+    """A context made by (or named) torch's, contextlib's, a profiler's, a logger's...: no sync in it."""
+    func = node.func if isinstance(node, ast.Call) else node
+    text = ast.unparse(func)
+    qual = next((v.qualname for v in flow.values.expr(func, scope) if isinstance(v, Ext)), text)
+    if any(qual.startswith(h) or h in text for h in HARMLESS_CONTEXTS):
+        return True
+    return isinstance(func, ast.Attribute) and func.attr in ("autocast", "no_grad", "profile", "timer",
+                                                             "record_function", "inference_mode",
+                                                             "main_process_first", "join")
+
+
+def _bound_calls(flow, name: str, fr) -> list:
+    """(call, scope) for every expression ``name`` is bound to, in the function or at the module's top,
+    through conditional expressions; [] when one of them is not a call."""
+    values = flow.values
+    bound = []
+    scope = fr.scope
+    if isinstance(scope, Function) and name in values.info(scope).locals:
+        bound = [(value, scope) for value, _ in values.info(scope).assigns.get(name, ())]
+    else:
+        module = values.module_of(scope)
+        bound = [(value, module) for value in module.globals.get(name, ())]
+    out = []
+    while bound:
+        value, where = bound.pop()
+        if isinstance(value, ast.IfExp):
+            bound += [(value.body, where), (value.orelse, where)]
+        elif isinstance(value, ast.Call):
+            out.append((value, where))
+        else:
+            return []
+    return out
 
 
 # The events stage's parts call one another: their names are imported last, once every part has

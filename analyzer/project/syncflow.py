@@ -240,12 +240,24 @@ class Flow(Loops):
         fr.gate = outer_gate or gate
         body_st = self.restrict(st.copy(), true) if true else None
         else_st = self.restrict(st.copy(), false) if false else None
-        self._narrow(s.test, body_st, else_st, fr)
+        narrowed = self._narrow(s.test, body_st, else_st, fr)
         body = self.block(s.body, body_st, fr) if true else None
         orelse = self.block(s.orelse, else_st, fr) if false else None
         fr.gate = outer_gate
         exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
-        return self.join([body, orelse], (true, false) if exact else None)
+        out = self.join([body, orelse], (true, false) if exact else None)
+        if narrowed and out is not None:
+            # ``if isinstance(model, DDP): sd = model.module.state_dict()`` says what the model is
+            # inside the branch only: past it, the model is what it was (unless a branch rebinds it)
+            stored = _stored_names(s)
+            for name in narrowed:
+                if name in stored:
+                    continue
+                if name in st.env:
+                    out.env[name] = st.env[name]
+                else:
+                    out.env.pop(name, None)
+        return out
 
     def _exit_outside_training(self, s: ast.If, fr: Frame) -> bool:
         """``if dataset_n_tokens < minimum: raise ValueError(...)`` before the training loop, or ``if not
@@ -269,6 +281,7 @@ class Flow(Loops):
         in the ``else`` of a lone test it is anything but. Wrappers whose kind is decided at run time
         (accelerate's) stay on both sides."""
         tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+        narrowed = []
         for c in tests:
             if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "isinstance" and
                     len(c.args) == 2 and isinstance(c.args[0], ast.Name)):
@@ -290,6 +303,8 @@ class Flow(Loops):
                              for g, vals in known.alts)
                 if alts != known.alts:
                     side.env[name] = known._replace(alts=alts)
+                    narrowed.append(name)
+        return narrowed
 
     def _without_switches(self, s: ast.If, fr: Frame):
         """``if world_size > 1 and hasattr(model, "no_sync") and i < n - 1: return model.no_sync()``:
@@ -453,3 +468,8 @@ def _lightning_loop(fn) -> ast.For:
         ast.copy_location(part, node)
         part.end_lineno, part.end_col_offset = node.end_lineno, node.end_col_offset
     return loop
+
+
+def _stored_names(s: ast.If) -> set:
+    """Names an ``if`` statement binds in its branches (an assignment, a loop target, a ``with ... as``)."""
+    return {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
