@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import re
 
-from synccheck.analyzer.project.values import Bound, Func
+from synccheck.analyzer.project.values import Bound, Func, Obj
 
 # a LightningModule's hooks Fabric sends through the wrapper's forward when called on the module it set
 # up (``_FabricModule``), so that DDP's hooks run
@@ -35,6 +35,32 @@ def sum_reduced(node) -> bool:
     """``F.cross_entropy(..., reduction="sum")``: a loss summed over its examples."""
     return isinstance(node, ast.Call) and any(
         kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum" for kw in node.keywords)
+
+
+def sum_criterion(flow, func, scope) -> bool:
+    """``self.criterion(logits, y)`` where the criterion was made ``nn.CrossEntropyLoss(reduction="sum")``
+    (flair): a loss summed over its examples, as ``sum_reduced`` says of a call that writes it."""
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if "loss" not in name.lower() and "crit" not in name.lower():
+        return False
+    made = [v for v in flow.values.expr(func, scope) if isinstance(v, Obj)]
+    return bool(made) and all(any(map(sum_reduced, calls_at(flow.program, v.site))) for v in made)
+
+
+def calls_at(program, site) -> list:
+    """The calls an object known by where it was made (``site``: path, line, column) was made by: one,
+    or several starting there (``GPT(...).cuda()``)."""
+    if len(site) != 3 or not isinstance(site[1], int):
+        return []
+    table = program.calls_at
+    calls = table.get(site[0])
+    if calls is None:
+        calls = table[site[0]] = {}
+        module = next((m for m in program.project.modules() if m.path == site[0]), None)
+        for n in ast.walk(module.tree) if module is not None else ():
+            if isinstance(n, ast.Call):
+                calls.setdefault((n.lineno, n.col_offset), []).append(n)
+    return calls.get(site[1:], [])
 
 
 def clears_grads(flow, func, scope) -> bool:

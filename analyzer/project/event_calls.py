@@ -13,7 +13,8 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.call_kinds import FABRIC_REDIRECTED, clears_grads, forward_dispatch, sum_reduced
+from synccheck.analyzer.project.call_kinds import (FABRIC_REDIRECTED, clears_grads, forward_dispatch, sum_criterion,
+                                                   sum_reduced)
 from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
@@ -56,7 +57,7 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             st.props = joined.props if joined is not None else {}
             return result
     result = _call_on(flow, node, func, recv, args, kws, st, fr)
-    if sum_reduced(node):
+    if sum_reduced(node) or sum_criterion(flow, func, fr.scope):
         # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
         # to the whole batch's sum; no 1/N is missing from it (SC202)
         result = result._replace(scaled=True)

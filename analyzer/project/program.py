@@ -50,6 +50,7 @@ class Program(WrappedModels):
         self._eventful: set = set()      # names of project functions that say ROOT_WORDS
         self._eventful_seen = 0
         self._call_words: dict = {}      # function uid -> the names its text calls
+        self.calls_at: dict = {}         # path -> (line, column) -> the call there (call_kinds.calls_at)
         self._by_name: dict = {}         # function name -> the project functions of that name
         self._relays: dict = {}          # name -> whether a function of that name calls an eventful one
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view

@@ -157,17 +157,13 @@ def _sums_its_loss(program, model, info) -> bool:
 def _made_from_class(program, site) -> list:
     """The project classes an object known by where it was made was built from: ``GPT(...).cuda()``
     (the calls at that place in the code whose callee is a class)."""
+    from synccheck.analyzer.project.call_kinds import calls_at
     from synccheck.analyzer.project.value_types import Cls
-    if len(site) != 3 or not isinstance(site[1], int):
-        return []
-    module = next((m for m in program.project.modules() if m.path == site[0]), None)
-    if module is None:
-        return []
     out = []
-    for node in ast.walk(module.tree):
-        if isinstance(node, ast.Call) and (node.lineno, node.col_offset) == site[1:]:
-            scope = _enclosing(module, node) or module
-            out.extend(v.cls for v in program.values.expr(node.func, scope) if isinstance(v, Cls))
+    for node in calls_at(program, site):
+        module = next(m for m in program.project.modules() if m.path == site[0])
+        scope = _enclosing(module, node) or module
+        out.extend(v.cls for v in program.values.expr(node.func, scope) if isinstance(v, Cls))
     return out
 
 
