@@ -85,6 +85,13 @@ class _RankChecker(RankTests):
         for i, stmt in enumerate(stmts):
             if isinstance(stmt, ast.If):
                 on_true, on_false = self.sides(stmt.test, scope)
+                single = self._sides(stmt.test, scope, 0) if side is not None else (None, None)
+                if "single" in single:
+                    # ``if args.local_rank == -1: evaluate(...)`` on the main rank's side: that branch
+                    # runs in a job that is not distributed, where no collective can hang
+                    self._calls(stmt.test, side, test, scope, found)
+                    self.walk(stmt.orelse if single[0] == "single" else stmt.body, side, test, scope, found)
+                    continue
                 if (on_true is not None or on_false is not None) and side is None:
                     text, negated = ast.unparse(stmt.test), _negation(stmt.test)
                     self.walk(stmt.body, on_true, text, scope, found)
@@ -199,7 +206,10 @@ class _RankChecker(RankTests):
             return found
         self._runs[key] = set()
         out: set = set()
-        self._runs_in(fn.node.body, fn, dict(binding), out)
+        known = dict(binding)
+        for name in _functions_tested(fn):
+            known.setdefault(name, True)
+        self._runs_in(fn.node.body, fn, known, out)
         self._runs[key] = out
         return out
 
@@ -237,6 +247,19 @@ class _RankChecker(RankTests):
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
 _UNKNOWN = object()
+
+
+def _functions_tested(fn: Function) -> list:
+    """Names a function's tests read that are none of its own but the module's functions or classes:
+    ``if args.local_rank not in [-1, 0] and not evaluate:`` once the parameter ``evaluate`` was renamed
+    (BERT-NER-Pytorch) tests the module's function ``evaluate``, always true."""
+    tests = [n.test for n in ast.walk(fn.node) if isinstance(n, (ast.If, ast.While))]
+    if not tests:
+        return []
+    own = set(fn.params) | {n.id for n in ast.walk(fn.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    module = fn.module
+    return [n.id for t in tests for n in ast.walk(t) if isinstance(n, ast.Name) and n.id not in own and (
+        n.id in module.classes or n.id in module.functions and module.functions[n.id].parent is None)]
 
 
 def _literal_arguments(call: ast.Call, fn: Function, outer: dict) -> frozenset:

@@ -51,6 +51,8 @@ class RankTests:
             # an ``and`` holds only where each of its parts that names the ranks holds; it fails
             # wherever any part fails, so only where every part fails on the same side
             on_true = _agree([t for t in trues if t is not None])
+            if "single" in trues:
+                on_true = "single"      # ``local_rank in [-1, 0] and local_rank == -1``: not distributed
             on_false = _agree(falses) if all(f is not None for f in falses) else None
             if isinstance(test.op, ast.Or):
                 on_true, on_false = on_false, on_true
@@ -61,6 +63,9 @@ class RankTests:
             value, where = self._bound(test, scope)
             if value is not None:
                 return self._sides(value, where, depth + 1)
+        if _no_rank(test):
+            # ``args.local_rank == -1``: the job is not distributed
+            return ("single", None) if isinstance(test.ops[0], (ast.Eq, ast.In, ast.Is)) else (None, "single")
         pol = self.polarity(test, scope, depth)
         if pol is not None:
             return pol, _flip(pol)
@@ -192,6 +197,21 @@ def _agree(sides: list) -> Optional[str]:
 
 def _ranks(side: Optional[str]) -> Optional[str]:
     return side if side in ("main", "other") else None
+
+
+def _no_rank(test) -> bool:
+    """``local_rank == -1``, ``args.local_rank != -1``, ``rank in [-1]``: a rank name against -1 alone."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and RANK_NAME.search(ast.unparse(test.left))):
+        return False
+    right = test.comparators[0]
+    if isinstance(right, (ast.List, ast.Tuple, ast.Set)) and len(right.elts) == 1:
+        right = right.elts[0]
+    try:
+        value = ast.literal_eval(right)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return value == -1 and not isinstance(value, bool) and isinstance(
+        test.ops[0], (ast.Eq, ast.In, ast.Is, ast.NotEq, ast.NotIn, ast.IsNot))
 
 
 def _is_const(node) -> bool:
