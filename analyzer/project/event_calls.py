@@ -64,6 +64,15 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     return result
 
 
+def _library_training_step(flow, vals) -> bool:
+    """Is ``training_step`` on these objects transformers' ``Trainer.training_step`` (a project subclass
+    of ``transformers.Trainer`` that does not define its own)?"""
+    project = flow.project
+    return any(isinstance(v, Inst) and project.attribute(v.cls, "training_step") is None and any(
+        q.startswith("transformers.") and q.endswith("Trainer") for q in project.external_bases(v.cls))
+        for v in vals)
+
+
 def _library_steppers(flow, vals) -> frozenset:
     """The library optimizers (and DeepSpeed engines) among a ``.step()`` receiver's values, when
     others are project objects with a ``step`` of their own; empty otherwise."""
@@ -78,6 +87,15 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         # ``zero_grad(model)``: a project helper that sets every parameter's ``.grad`` to None
         zero_grad(flow, node, args[0].values, st, fr)
         return _val(ONE_UNKNOWN)
+    if recv is not None and func.attr == "training_step" and args and _library_training_step(flow, recv.values):
+        # ``tr_loss += self.training_step(model, inputs)`` in a train loop written over transformers'
+        # Trainer: the library's training step runs the model's forward and the backward of its loss
+        # (divided by gradient_accumulation_steps)
+        models = flow.program.wrappers(args[0].values)
+        if models:
+            loss = forward(flow, node, models, args, kws, st, fr)
+            backward(flow, node, loss._replace(scaled=True), "loss.backward", st, fr)
+            return _val(ONE_UNKNOWN)
     if recv is not None:
         handled = _method(flow, node, func.attr, recv, args, kws, st, fr)
         if handled is not None:
@@ -548,4 +566,4 @@ from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowF
                                                _prov, _val, expr)
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
-from synccheck.analyzer.project.micro_step import forward, inner_forward, step as micro_step, zero_grad
+from synccheck.analyzer.project.micro_step import backward, forward, inner_forward, step as micro_step, zero_grad
