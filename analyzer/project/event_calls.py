@@ -61,7 +61,24 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
         # to the whole batch's sum; no 1/N is missing from it (SC202)
         result = result._replace(scaled=True)
+    elif result.scaled is False and _handed_a_token_count(node):
+        # ``self.loss_fn(pred, labels, global_valid_tokens)``, ``compute_loss(model, inputs,
+        # num_items_in_batch=n)``: a loss normalised by the window's token count, counted before the
+        # micro-steps (torchtitan, transformers' Trainer): whether 1/N is in it, we cannot tell
+        result = result._replace(scaled=None)
     return result
+
+
+_TOKEN_COUNT = re.compile(r"(?i)(?:^|_)(?:n_?tokens|num_\w*tokens|(?:global|total|valid)_\w*tokens|num_items\w*|"
+                          r"token_count|normali[sz]er|denominator)$")
+
+
+def _handed_a_token_count(node: ast.Call) -> bool:
+    for a in list(node.args) + [kw.value for kw in node.keywords]:
+        name = a.id if isinstance(a, ast.Name) else a.attr if isinstance(a, ast.Attribute) else ""
+        if name and _TOKEN_COUNT.search(name):
+            return True
+    return False
 
 
 def _library_training_step(flow, vals) -> bool:
