@@ -285,7 +285,15 @@ def _literal_arguments(call: ast.Call, fn: Function, outer: dict) -> frozenset:
         value = _fold(node, outer)
         if value is not _UNKNOWN and isinstance(value, (bool, int, str, type(None), tuple)):
             out.append((name, value))
+        elif value is _UNKNOWN and isinstance(node, _OBJECTS):
+            # ``get_file(path, dest, object_store=logger)``: an object, for the callee's
+            # ``if object_store is None:`` (composer); what else it is, we do not know
+            out.append((name, _NOT_NONE))
     return frozenset(out)
+
+
+_NOT_NONE = object()
+_OBJECTS = (ast.Name, ast.Attribute, ast.Call, ast.List, ast.Tuple, ast.Dict, ast.Set, ast.JoinedStr, ast.Lambda)
 
 
 def _fold(node, binding: dict):
@@ -294,7 +302,12 @@ def _fold(node, binding: dict):
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
-        return binding.get(node.id, _UNKNOWN)
+        value = binding.get(node.id, _UNKNOWN)
+        return _UNKNOWN if value is _NOT_NONE else value
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)) and \
+            isinstance(node.left, ast.Name) and binding.get(node.left.id) is _NOT_NONE and \
+            isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None:
+        return isinstance(node.ops[0], ast.IsNot)
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         items = tuple(_fold(e, binding) for e in node.elts)
         return _UNKNOWN if any(i is _UNKNOWN for i in items) else items
