@@ -387,6 +387,8 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
                     out.add(UNKNOWN)
             elif isinstance(v, Loader) and attr in _LOADER_SAMPLERS:
                 out |= self.loader_samplers(v, attr)
+            elif isinstance(v, Sampler) and attr == "sampler":
+                out.add(v)      # ``loader.batch_sampler.sampler``: a batch sampler stands for what it wraps
             elif isinstance(v, (Obj, Unknown)) and attr == "no_sync":
                 out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
                 self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
@@ -458,6 +460,8 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
                 given.setdefault(name, call.args[position])
         if any(kw.arg is None for kw in call.keywords) and not given:
             return ONE_UNKNOWN      # DataLoader(dataset, **loader_kwargs)
+        if attr == "batch_sampler" and "batch_sampler" not in given:
+            attr = "sampler"        # DataLoader's own BatchSampler over ``sampler=`` (its ``.sampler``)
         out = set()
         for name, node in given.items():
             if attr is None or name == attr:
