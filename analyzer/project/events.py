@@ -163,6 +163,9 @@ def expr(flow, node, st, fr) -> EnvVal:
         items = [expr(flow, e, st, fr) for e in node.elts]
         return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items))
     if t is ast.Subscript:
+        key = _item_key(node, st)
+        if key is not None and key[0] in st.env and st.env[key[0]].origin == ("item of", key[1]):
+            return st.env[key[0]]
         recv = expr(flow, node.value, st, fr)
         expr(flow, node.slice, st, fr)
         vals = flow.values.expr(node, fr.scope) if isinstance(node.slice, ast.Constant) else ONE_UNKNOWN
@@ -246,6 +249,11 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
         dotted = _dotted(target)
         if dotted is not None:
             st.env[dotted] = _versioned(value, version)
+    elif t is ast.Subscript:
+        # ``outputs["loss"] = outputs["loss"] / accum``: the item, for as long as ``outputs`` is not rebound
+        key = _item_key(target, st)
+        if key is not None:
+            st.env[key[0]] = _versioned(value, version)._replace(origin=("item of", key[1]))
 
 
 def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
@@ -269,6 +277,18 @@ def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
 
 
 _COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict, ast.BinOp)
+
+
+def _item_key(node: ast.Subscript, st):
+    """(env key, version of the container) for ``outputs["loss"]`` / ``self.out[0]``: a constant item of
+    a name or attribute chain; None for anything else."""
+    if type(node.slice) is not ast.Constant or not isinstance(node.slice.value, (str, int)):
+        return None
+    base = _dotted(node.value)
+    if base is None:
+        return None
+    known = st.env.get(base)
+    return f"{base}[{node.slice.value!r}]", known.version if known is not None else 0
 
 
 def _cond_of(flow, value: EnvVal, node, st, fr) -> tuple:
