@@ -135,6 +135,9 @@ class _CollectiveFunctions:
         return text[match.start():len(text) if pos == -1 else pos]
 
 
+_LEAVING = ("return", "continue", "break")
+
+
 def _rank_branch_calls(text: str) -> bool:
     """Some ``if`` on the rank has, in its indented block (or its ``else``), a collective or a call of a
     function of this file that runs one: cheap text, so files without one are never parsed."""
@@ -142,8 +145,11 @@ def _rank_branch_calls(text: str) -> bool:
     for body in _rank_blocks(text):
         if COLLECTIVE_CALL.search(body):
             return True
-        if body.strip().startswith(("return", "continue", "break")):
-            return True     # ``if not is_main: return`` (or ``continue``): what follows runs on one side only
+        lines = body.strip().splitlines()
+        if lines and (lines[0].strip().startswith(_LEAVING) or lines[-1].strip().startswith(_LEAVING)):
+            # ``if not is_main: return`` (or ``continue``, or ``self.meters.clear(); return``): what
+            # follows runs on one side only
+            return True
         if runs is None:
             runs = _CollectiveFunctions(text)
         if runs.any_runs(set(CALLED.findall(body))):
