@@ -21,7 +21,7 @@ from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
-                                               Optim, Unknown, Wrapper, parameter_default, site_of)
+                                               Optim, Super, Unknown, Wrapper, parameter_default, site_of)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -36,6 +36,13 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         factory = FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node),
                               ast.unparse(node))
         return EnvVal(((TRUE, frozenset((factory,))),), recv.prov, recv.scaled)
+    if isinstance(func, ast.Name) and func.id == "super" and isinstance(fr.scope, Function) and \
+            fr.scope.cls is not None and fr.scope.params and len(node.args) in (0, 2):
+        # ``super()`` on the instance this method runs on: its class's MRO decides what comes next
+        me = st.env.get(fr.scope.params[0])
+        mine = me.values if me is not None else flow.values.name(fr.scope.params[0], fr.scope)
+        found = frozenset(Super(v, fr.scope.cls) for v in mine if isinstance(v, Inst))
+        return _val(found or frozenset((Super(Inst(fr.scope.cls), fr.scope.cls),)))
     recv = expr(flow, func.value, st, fr) if isinstance(func, ast.Attribute) else None
     if isinstance(func, ast.Lambda):
         return _val(ONE_UNKNOWN)

@@ -254,6 +254,11 @@ class Program(WrappedModels):
             return None                          # self.modules["encoder"](x): a model kept in a container
         if isinstance(func, ast.Attribute):
             base = func.value
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and \
+                    isinstance(scope, Function) and scope.cls is not None:
+                # ``super().compute_loss(batch)`` in a mixin: the method after this class in the MRO of
+                # every class that has it
+                return self._after_in_mro(scope.cls, func.attr)
             if isinstance(base, ast.Name) and isinstance(scope, Function) and scope.cls is not None and \
                     scope.params and base.id == scope.params[0]:
                 found = self.project.attribute(scope.cls, func.attr)
@@ -291,6 +296,18 @@ class Program(WrappedModels):
                 return [duck.fn] if duck is not None else []
             return []
         return []
+
+    def _after_in_mro(self, klass, name: str) -> list:
+        out = []
+        for sub in self.project.subclasses(klass):
+            mro = self.project.mro(sub)
+            for later in mro[mro.index(klass) + 1:] if klass in mro else ():
+                method = later.methods.get(name)
+                if method is not None:
+                    if method not in out:
+                        out.append(method)
+                    break
+        return out
 
     def fn_words(self, fn: Function) -> frozenset:
         found = self._words.get(fn.uid)

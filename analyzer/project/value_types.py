@@ -107,6 +107,12 @@ class Inst(NamedTuple):
     cls: Class
 
 
+class Super(NamedTuple):
+    """``super()`` in a method of class ``after``, on the instance ``inst`` (its class's MRO decides)."""
+    inst: Inst
+    after: Class
+
+
 class Partial(NamedTuple):
     site: tuple
 

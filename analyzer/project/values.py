@@ -44,7 +44,7 @@ from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLER
                                                     MAX_KEY_REDONE, MAX_REDONE, MAX_VALUES, MAX_WORK, ONE_UNKNOWN, UNKNOWN,
                                                     Accumulator, Bag, Bound, Cls, Const, Ctx, CtxFactory, Ext,
                                                     Framework, Func, Inner, Inst, Loader, LocalSGD, Mod,
-                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup,
+                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Super, Tup,
                                                     Unknown, Wrapper, _cap, site_of)
 
 
@@ -377,6 +377,8 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
                     {Ext(f"{v.qualname}.{attr}")} if isinstance(v, Ext) else {UNKNOWN})
             elif isinstance(v, Inst):
                 out |= self.instance_attribute(v, attr)
+            elif isinstance(v, Super):
+                out |= self.super_attribute(v, attr)
             elif isinstance(v, Wrapper):
                 if attr == "module":
                     out.add(Inner(v))
@@ -395,6 +397,20 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
             else:
                 out.add(UNKNOWN)
         return frozenset(out)
+
+    def super_attribute(self, sup: Super, attr: str) -> frozenset:
+        """``super().compute_loss`` in a mixin: the method after the mixin in the MRO of the instance's
+        class (``LMTrainer(LossScaleMixin, LMBase)``: LMBase's), bound to the instance."""
+        mro = self.project.mro(sup.inst.cls)
+        if sup.after not in mro:
+            return ONE_UNKNOWN
+        for klass in mro[mro.index(sup.after) + 1:]:
+            method = klass.methods.get(attr)
+            if method is not None:
+                if method.is_property:
+                    return self.returns(method) or ONE_UNKNOWN
+                return frozenset((Bound(method, sup.inst),))
+        return ONE_UNKNOWN
 
     def instance_attribute(self, inst: Inst, attr: str) -> frozenset:
         return self._memoized(("iattr", inst.cls.uid, attr), lambda: self._instance_attribute(inst, attr))
