@@ -298,6 +298,8 @@ class Program(WrappedModels):
         return []
 
     def _after_in_mro(self, klass, name: str) -> list:
+        if name.startswith("__"):
+            return []               # ``super().__init__(...)``: as any call on a value we cannot see
         out = []
         for sub in self.project.subclasses(klass):
             mro = self.project.mro(sub)

@@ -402,8 +402,8 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
         """``super().compute_loss`` in a mixin: the method after the mixin in the MRO of the instance's
         class (``LMTrainer(LossScaleMixin, LMBase)``: LMBase's), bound to the instance."""
         mro = self.project.mro(sup.inst.cls)
-        if sup.after not in mro:
-            return ONE_UNKNOWN
+        if sup.after not in mro or attr.startswith("__"):
+            return ONE_UNKNOWN      # (``super().__init__(...)``, in every module of a model library: not followed)
         for klass in mro[mro.index(sup.after) + 1:]:
             method = klass.methods.get(attr)
             if method is not None:
