@@ -29,7 +29,7 @@ MAX_ROOT_WORK = 400_000
 # a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
 # sync control is where the schedule is)
 ROOT_WORDS = ("step", "zero_grad", "no_sync", "backward", "accumulate", "require_backward_grad_sync")
-WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "prepare",
+WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "replicate", "prepare",
                         "prepare_model", "setup", "setup_module", "initialize"))
 
 

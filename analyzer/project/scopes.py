@@ -142,7 +142,7 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
             if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Name):
                 func = call.func
                 name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-                if name == "fully_shard":
+                if name in ("fully_shard", "replicate"):
                     info.inplace_wraps.append((call.args[0].id, call))
         else:
             for field in ("test", "value", "exc", "subject", "msg"):

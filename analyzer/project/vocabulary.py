@@ -19,6 +19,10 @@ WRAPPERS = {
     "torch.distributed._composable.fsdp.fully_shard": "fsdp2",
     "torch.distributed._composable.fsdp.fully_shard.fully_shard": "fsdp2",
     "torch.distributed.fsdp._fully_shard.fully_shard": "fsdp2",
+    # composable DDP, applied in place like fully_shard (and switched off the same way in torch 2.6+:
+    # ``set_requires_gradient_sync``)
+    "torch.distributed._composable.replicate": "fsdp2",
+    "torch.distributed._composable.replicate.replicate": "fsdp2",
     "deepspeed.initialize": "deepspeed",
 }
 # Class names that identify a wrapper whatever module they came from (a star import, a re-export

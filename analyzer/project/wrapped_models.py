@@ -95,15 +95,19 @@ class WrappedModels:
         """Obj -> the wrappers built around it (``ddp = DDP(model)``: model's object -> ddp)."""
         if self._wrapping is None:
             self._wrapping = {}
-            names = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "prepare",
+            names = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "replicate", "prepare",
                      "prepare_model", "setup", "setup_module", "initialize"}
+            in_place = {"fully_shard", "replicate"}
             for module in self.project.modules():
                 for local, (mod, attr, _) in module.imports.items():
-                    if attr in ("DistributedDataParallel", "FullyShardedDataParallel"):
+                    if attr in ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "replicate"):
                         names.add(local)
+                        if attr in in_place:
+                            in_place.add(local)
             for name in sorted(names):
-                # fully_shard works in place, often inside a helper of another file: look there too
-                for scope, call in self.values.calls(name, load=name == "fully_shard"):
+                # fully_shard (and composable replicate) work in place, often inside a helper of another
+                # file: look there too
+                for scope, call in self.values.calls(name, load=name in in_place):
                     for v in self.values.expr(call, scope):
                         for w in _wrappers_in(v):
                             for inner in self.values.wrapped_by(w):
