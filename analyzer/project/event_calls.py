@@ -495,7 +495,9 @@ def _inner_wrappers(values) -> frozenset:
 # methods that compute a loss from the model they are handed
 _LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
 # methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
-_FORWARD_METHOD = re.compile(r"^(?:forward\w*|train_step|training_step|compute_loss|\w*_step)$")
+# (not a hook or an optimizer's: ``model.on_before_optimizer_step(optimizer)``, ``scheduler_step``)
+_FORWARD_METHOD = re.compile(r"^(?!on_|before_|after_)(?:forward\w*|train_step|training_step|compute_loss|"
+                             r"(?!\w*(?:optimizer|optim|scheduler|lr|ema|zero_grad)_step$)\w*_step)$")
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
