@@ -33,7 +33,7 @@ from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
 from synccheck.analyzer.project.value_calls import made_per_call
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, Ext, Tup, Wrapper, site_of
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, Ext, Inst, Obj, Tup, Wrapper, site_of
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
 from synccheck.analyzer.project.entry_points import per_call_loop, then_call
@@ -305,13 +305,19 @@ class Flow(Loops):
                 if side is None:
                     continue
                 known = side.env.get(name) or EnvVal(((TRUE, self.values.name(name, fr.scope, c.lineno)),))
-                alts = tuple((g, frozenset(v for v in vals if not (isinstance(v, Wrapper) and v.kind in DECIDED_KINDS
-                                                                  and (v.kind in kinds) != holds)))
+                alts = tuple((g, frozenset(v for v in vals if self._kept_by_type_test(v, kinds, holds)))
                              for g, vals in known.alts)
                 if alts != known.alts:
                     side.env[name] = known._replace(alts=alts)
                     narrowed.append(name)
         return narrowed
+
+    def _kept_by_type_test(self, v, kinds: set, holds: bool) -> bool:
+        """May ``v`` be on this side of ``isinstance(model, <kinds>)``? A wrapper, or an object the
+        program knows is wrapped in place (``fully_shard(model)``), of a kind decided at build time."""
+        wrappers = (v,) if isinstance(v, Wrapper) else self.program.wrappers(frozenset((v,))) \
+            if isinstance(v, (Obj, Inst)) else ()
+        return not wrappers or not all(w.kind in DECIDED_KINDS and (w.kind in kinds) != holds for w in wrappers)
 
     def _without_switches(self, s: ast.If, fr: Frame):
         """``if world_size > 1 and hasattr(model, "no_sync") and i < n - 1: return model.no_sync()``:
