@@ -18,7 +18,7 @@ from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, 
                                                       _single_device, _strings, _text, _truthy)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
-                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Super, Tup, Wrapper,
+                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
                                                     site_of)
 
 
@@ -41,10 +41,6 @@ class CallValues:
             # ``wrap = lambda m: DDP(m, device_ids=[rank])``; ``wrap(net)``: what the body's call makes
             # (its parameters are not bound to the arguments: what is made does not hang on them)
             return self.expr(lam.body, scope)
-        if isinstance(func, ast.Name) and func.id == "super" and isinstance(scope, Function) and \
-                scope.cls is not None and len(call.args) in (0, 2):
-            # ``super().compute_loss(batch)`` read where the method is written: on an instance of its class
-            return frozenset((Super(Inst(scope.cls), scope.cls),))
         callees = self.expr(func, scope)
         if callees == {Ext("int")} and len(call.args) == 1 and not call.keywords:
             # ``int(config["batch_size"])``: a number we know stays known
