@@ -88,7 +88,6 @@ class Conditions:
         self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
         self._calls: dict = {}     # id(expression) -> (expression, whether it holds a call)
         self._stable_seen: set = set()   # (atom, id(function)) already asked whether it is written
-        self.priority = False            # the test being read decides the step (Atoms.get)
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -199,7 +198,7 @@ class Conditions:
                 if isinstance(modulus, ast.Constant) and type(modulus.value) is int and modulus.value > 0:
                     residue %= modulus.value        # ``% 4 == 3`` and ``(i + 1) % 4 == 0`` are one test
                 key = ("MOD", counted, residue)
-                atom = self.atoms.get(key, text, (counted[0], counted[1], residue), priority=2)
+                atom = self.atoms.get(key, text, (counted[0], counted[1], residue))
                 if atom is not None and shift and not atom.after and atom.text == text and \
                         isinstance(base, (ast.Name, ast.Attribute)):
                     # the same words before and after ``step += 1`` are two tests: said so
@@ -211,8 +210,7 @@ class Conditions:
                     # ``if self.accum_count == 1:`` in a method the loop calls: the attributes of the
                     # caller's own objects, by what the receiver is a copy of, hold between calls
                     versions = tuple(origin[2] for origin, _ in stable)
-                    atom = self.atoms.get(("STABLE", dump, stable), text, bound=_bound(node, ("STABLE", stable)),
-                                          priority=int(self.priority))
+                    atom = self.atoms.get(("STABLE", dump, stable), text, bound=_bound(node, ("STABLE", stable)))
                     seen = (atom.index, id(fr.scope)) if atom is not None else None
                     if seen is not None and seen not in self._stable_seen and all(v == 0 for v in versions):
                         # (still tested afresh each turn, unless it turns out to guard a zero_grad:
@@ -221,8 +219,7 @@ class Conditions:
                         if not self._written(stable, fr):
                             self.flow.stable_atoms.add(atom.index)
                 else:
-                    atom = self.atoms.get((dump, versions), text, bound=_bound(node, versions),
-                                          priority=int(self.priority))
+                    atom = self.atoms.get((dump, versions), text, bound=_bound(node, versions))
             if atom is None:
                 return BOTH
             if not polarity and atom.negated is None:

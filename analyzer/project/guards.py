@@ -23,11 +23,6 @@ import ast
 from typing import Optional
 
 MAX_ATOMS = 10
-# the table's last places: a long step block's logging, saving and mode tests come first in the code,
-# and the accumulation counter's test often last. The last place only a counter's modulus test
-# (``(step + 1) % accum == 0``) may take; the two before it also a test that decides the step or a
-# loop's last iteration (``Atoms.get``'s ``priority``: 2, 1, 0)
-KEPT = (3, 1, 0)
 WIDTH = 1 << MAX_ATOMS
 TRUE = (1 << WIDTH) - 1
 FALSE = 0
@@ -104,16 +99,15 @@ class Atoms:
         self.overflowed = False
         self.bounds: dict = {}       # what is compared -> [(atom, operator, number)] (get's ``bound``)
 
-    def get(self, key, text: str, mod=None, bound=None, priority: int = 0) -> Optional[Atom]:
+    def get(self, key, text: str, mod=None, bound=None) -> Optional[Atom]:
         """The atom of ``key``, made on first use. ``mod``: (counter, modulus, residue) of a modular
         test; ``bound``: (what is compared, operator, number) of ``x == 1``, ``x > 1``, ``x >= 2``: two
         tests of one value against numbers that cannot both hold, or one that implies the other,
-        are said so in the universe. ``priority``: 2 for a counter's modulus test, 1 for a test that
-        decides the step or a loop's last iteration, 0 for the others (see KEPT)."""
+        are said so in the universe."""
         atom = self.by_key.get(key)
         if atom is not None:
             return atom
-        if len(self.atoms) >= MAX_ATOMS - KEPT[priority]:
+        if len(self.atoms) >= MAX_ATOMS:
             self.overflowed = True
             return None
         atom = Atom(len(self.atoms), key, text, mod)

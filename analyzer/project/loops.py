@@ -124,7 +124,7 @@ class Loops:
             ctx.last = self.last_atoms.get(ctx.info.id)
         if ctx.last is None:
             text = f"the last iteration of `{_loop_head(ctx.info.node, self)}`"
-            ctx.last = self.atoms.get(("LAST", ctx.info.id), text, priority=1)
+            ctx.last = self.atoms.get(("LAST", ctx.info.id), text)
             if ctx.last is not None:
                 ctx.last.loop = ctx.info.id
                 self.last_atoms[ctx.info.id] = ctx.last

@@ -230,7 +230,7 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
 
 
 def _sync_gradients_atom(flow):
-    atom = flow.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients", priority=2)
+    atom = flow.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
     if atom is not None:
         flow.note_atom(atom, (), True)
     return atom

@@ -67,7 +67,7 @@ class Flow(Loops):
         # accelerate's boundary test gets its atom first: a loop with many tests of its own may
         # fill the table before its prepared optimizer steps
         if ".accumulate(" in self.root_module.text:
-            self.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients", priority=2)
+            self.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
         self.conds = Conditions(self)
         self.records = Records(self)
         self.atom_info: dict = {}        # atom index -> (versions, volatile)
@@ -215,13 +215,8 @@ class Flow(Loops):
     # -- branches ----------------------------------------------------------------------------------------
     def if_(self, s: ast.If, st: St, fr: Frame):
         relevant = self.program.relevant_branch(s, fr) and not self._exit_outside_training(s, fr)
+        true, false = self.conds.cond(self._without_switches(s, fr), st, fr, relevant)
         gate = relevant and self.program.decides_step(s, fr)
-        # a test that decides the step may take the table's last places, which the others leave to it
-        self.conds.priority = gate
-        try:
-            true, false = self.conds.cond(self._without_switches(s, fr), st, fr, relevant)
-        finally:
-            self.conds.priority = False
         if gate and fr.gate:
             # a check inside the branch that steps (``if torch.isfinite(norm): optimizer.step()``) may
             # skip a step now and then; it is not the accumulation schedule: take the stepping branch
@@ -273,8 +268,6 @@ class Flow(Loops):
         program = self.program
         if (program.words(s.body, fr.scope) | program.words(s.orelse, fr.scope)) - {"call", "exit"}:
             return False
-        if fr.no_grad:
-            return True     # under ``torch.no_grad()`` (a feature-extraction pass): no micro-step here
         if len(self.loop_stack) > len(fr.loops):
             # a caller's loop is running: a ``return`` may skip what the rest of this function does,
             # unless it does nothing a micro-step does (a loss function's ``if self.loss_type == ...:
