@@ -221,3 +221,45 @@ def test_a_self_updating_attribute_of_a_mixin_costs_linear_work(tmp_path):
         program.flows()
         spent[n] = program.values.spent
     assert spent[12] < 4 * spent[4], spent
+
+
+def test_a_setup_helpers_tests_take_no_places_in_the_condition_table(tmp_path):
+    # MeZO's trainer fits a linear head before training (``super().train(...)``): a feature pass under
+    # torch.no_grad() and a dozen configuration tests. The table holds ten conditions; those tests
+    # once took them all, the accumulation boundary came after, and its SC101 was lost
+    flags = "\n".join(f"                opt{k} = {k + 2} if self.args.option{k} else 1" for k in range(10))
+    flows = _flows(tmp_path, {"train.py": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        class HeadTrainer:
+            def train(self, model, loader, optimizer):
+                features = []
+                with torch.no_grad():
+                    for step, inputs in enumerate(loader):
+                        if self.args.probabilities:
+                            features.append(model(**inputs).logits)
+                        elif self.args.pooled:
+                            features.append(model(**inputs).pooler_output)
+                        if self.args.limit and step > self.args.limit:
+                            break
+                use_bias = (model.model_type != "opt" and model.model_type != "gpt2") or self.args.probabilities
+        FLAGS
+                self.head = self.solve(features, use_bias)
+
+        class Trainer(HeadTrainer):
+            def train(self, model, loader, optimizer):
+                if self.args.from_linear_head:
+                    super().train(model, loader, optimizer)
+                model = DDP(model)
+                for step, inputs in enumerate(loader):
+                    loss = model(**inputs).loss / self.args.accum
+                    loss.backward()
+                    if (step + 1) % self.args.accum == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+    """.replace("        FLAGS", flags)})
+    flow = next(f for name, f in flows.items() if name == "train" and f.root.cls.node.name == "Trainer")
+    texts = [a.text for a in flow.atoms.atoms]
+    assert any("% self.args.accum" in t for t in texts), texts
+    assert not flow.atoms.overflowed, texts

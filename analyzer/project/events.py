@@ -138,7 +138,8 @@ def expr(flow, node, st, fr) -> EnvVal:
         return _val(ONE_UNKNOWN, left.prov | right.prov, scaled)
     if t is ast.IfExp:
         body, orelse = expr(flow, node.body, st, fr), expr(flow, node.orelse, st, fr)
-        syncish = any(isinstance(v, (FlowCtx, FlowFactory, FlowHelper, Const)) for v in body.values | orelse.values)
+        syncish = any(isinstance(v, (FlowCtx, FlowFactory, FlowHelper)) or isinstance(v, Const) and isinstance(v.value, bool)
+                      for v in body.values | orelse.values)
         true, false = flow.conds.cond(node.test, st, fr, syncish or bool(fr.loops))
         alts = tuple((g & true, v) for g, v in body.alts if g & true) + \
             tuple((g & false, v) for g, v in orelse.alts if g & false)
@@ -152,7 +153,9 @@ def expr(flow, node, st, fr) -> EnvVal:
         return EnvVal(alts or ((TRUE, ONE_UNKNOWN),), body.prov | orelse.prov,
                       True if (body.scaled or orelse.scaled) else body.scaled, cond)
     if t in (ast.Compare, ast.BoolOp) or (t is ast.UnaryOp and isinstance(node.op, ast.Not)):
-        if fr.loops or fr.depth:
+        # (a test in a helper run before any loop, ``use_bias = model.model_type != "opt" or ...`` while
+        # a linear head is fitted, takes no place in the condition table)
+        if fr.loops or fr.depth and flow.loop_stack:
             true, false = flow.conds.cond(node, st, fr, True)
             return _val(ONE_UNKNOWN, cond=(true, false))
         for sub in children(node):

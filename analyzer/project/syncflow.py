@@ -268,6 +268,8 @@ class Flow(Loops):
         program = self.program
         if (program.words(s.body, fr.scope) | program.words(s.orelse, fr.scope)) - {"call", "exit"}:
             return False
+        if fr.no_grad:
+            return True     # under ``torch.no_grad()`` (a feature-extraction pass): no micro-step here
         if len(self.loop_stack) > len(fr.loops):
             # a caller's loop is running: a ``return`` may skip what the rest of this function does,
             # unless it does nothing a micro-step does (a loss function's ``if self.loss_type == ...:
