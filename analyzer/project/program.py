@@ -390,11 +390,12 @@ class Program(WrappedModels):
 
 
 def _passes_static_graph(tree) -> bool:
-    """``DDP(..., static_graph=True)``, ``dict(static_graph=...)``, ``{"static_graph": ...}`` (not a
-    docstring that names it)."""
+    """``DDP(..., static_graph=True)``, ``dict(static_graph=...)``, ``{"static_graph": ...}``,
+    ``model._set_static_graph()`` (not a docstring that names it)."""
     for node in ast.walk(tree):
         if type(node) is ast.keyword and node.arg == "static_graph" or \
-                type(node) is ast.Constant and node.value == "static_graph":
+                type(node) is ast.Constant and node.value == "static_graph" or \
+                type(node) is ast.Attribute and node.attr == "_set_static_graph":
             return True
     return False
 

@@ -138,6 +138,21 @@ class CallValues:
             return ONE_UNKNOWN
         return frozenset((Obj(site),))
 
+    def _static_graph_set_later(self, call, scope) -> bool:
+        """``model = DDP(net); model._set_static_graph()`` (what ``static_graph=True`` calls) in the scope
+        that binds the wrapper."""
+        node = scope.node if isinstance(scope, Function) else scope.tree
+        if "_set_static_graph" not in (self.module_of(scope).segment(node) if isinstance(scope, Function)
+                                       else scope.text):
+            return False
+        info = self.info(scope)
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_set_static_graph" \
+                    and isinstance(n.func.value, ast.Name) and any(
+                        value is call for value, _ in info.assigns.get(n.func.value.id, ())):
+                return True
+        return False
+
     def _static_graph_in(self, node, scope) -> bool:
         """``DDP(net, **ddp_kwargs)`` where ``ddp_kwargs = {"static_graph": True, ...}`` (or
         ``dict(static_graph=True, ...)``) is bound in the same scope or at the module's top."""
@@ -166,7 +181,8 @@ class CallValues:
         if kind:
             self.sites[site] = (_first_arg(call, "module"), scope)
             static = any(kw.arg == "static_graph" and _truthy(kw.value) for kw in call.keywords) or any(
-                kw.arg is None and self._static_graph_in(kw.value, scope) for kw in call.keywords)
+                kw.arg is None and self._static_graph_in(kw.value, scope) for kw in call.keywords) or \
+                self._static_graph_set_later(call, scope)
             return frozenset((Wrapper(kind, site, static),))
         if qual in vocab.ACCELERATOR:
             return frozenset((Framework("accelerate", site, _accumulates(call)),))
