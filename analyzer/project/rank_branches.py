@@ -80,6 +80,7 @@ class _RankChecker(RankTests):
         self._runs: dict = {}
         self._names_bound: dict = {}         # module path -> its names for collectives (_may_name_collective)
         self._attribute_stores: dict = {}    # class uid -> attribute -> [(value, method)] (rank_tests)
+        self._full_state_dict = 0            # inside ``with FSDP.state_dict_type(..., FULL_STATE_DICT, ...)``
 
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
         for i, stmt in enumerate(stmts):
@@ -118,15 +119,17 @@ class _RankChecker(RankTests):
                 node = getattr(stmt, field, None)
                 if isinstance(node, ast.expr):
                     self._calls(node, side, test, scope, found)
+            full = False
             if isinstance(stmt, (ast.With, ast.AsyncWith)):
                 for item in stmt.items:
                     self._calls(item.context_expr, side, test, scope, found)
-            if isinstance(stmt, ast.Expr) or isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return)):
-                pass
+                full = any(_full_state_dict(item.context_expr) for item in stmt.items)
+            self._full_state_dict += full
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(stmt, field, None)
                 if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
                     self.walk(block, side, test, scope, found)
+            self._full_state_dict -= full
             for handler in getattr(stmt, "handlers", ()):
                 self.walk(handler.body, side, test, scope, found)
 
@@ -135,6 +138,11 @@ class _RankChecker(RankTests):
             if not isinstance(node, ast.Call):
                 continue
             what = self.collective(node, scope)
+            if not what and self._full_state_dict and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "state_dict" and not node.args:
+                # ``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:
+                # FSDP all-gathers every parameter for it, on every rank (rank0_only only says who keeps it)
+                what = "state_dict"
             if what:
                 found.append((node, what, side, test, False))
                 continue
@@ -247,6 +255,12 @@ class _RankChecker(RankTests):
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
 _UNKNOWN = object()
+
+
+def _full_state_dict(node) -> bool:
+    """``FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg)``"""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+        node.func.attr == "state_dict_type" and "FULL_STATE_DICT" in ast.unparse(node)
 
 
 def _functions_tested(fn: Function) -> list:

@@ -220,7 +220,7 @@ class CollectiveInRankBranch(Rule):
         # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
         # substring tests first: the regexes are slow over a large file
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
-                and _has_collective(text)):
+                and (_has_collective(text) or "FULL_STATE_DICT" in text)):
             return False
         # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line; a
         # function only rank 0 runs (``@rank_zero_only``, ``@accelerator.on_main_process``) has none
