@@ -237,7 +237,16 @@ def _has_epoch_loop(program) -> bool:
                     return True
                 if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and _counts(node, module):
                     return True
+                if _refills_an_iterator(node):
+                    return True
     return False
+
+
+def _refills_an_iterator(loop) -> bool:
+    """``except StopIteration: data_iter = iter(train_loader)`` inside an iteration-based loop: each new
+    pass over the data is an epoch."""
+    return any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+               and n.value.func.id == "iter" and n.value.args for n in walk(loop))
 
 
 def _counts(loop, module) -> bool:
