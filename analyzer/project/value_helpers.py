@@ -175,7 +175,10 @@ def _named(node, words: tuple) -> bool:
     """Does the name (or the called function's name: ``build_optimizer(model)``) say what it is?"""
     if isinstance(node, ast.Call):
         node = node.func
-    text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+        text = node.slice.value     # ``model_dict["optimizer"]``: the key says it
+    else:
+        text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     text = text.lower()
     return any(w in text for w in words)
 
