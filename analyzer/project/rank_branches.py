@@ -80,7 +80,7 @@ class _RankChecker(RankTests):
         self._runs: dict = {}
         self._names_bound: dict = {}         # module path -> its names for collectives (_may_name_collective)
         self._attribute_stores: dict = {}    # class uid -> attribute -> [(value, method)] (rank_tests)
-        self._full_state_dict = 0            # inside ``with FSDP.state_dict_type(..., FULL_STATE_DICT, ...)``
+        self._full_state_dict: list = []     # the models of the ``with FSDP.state_dict_type(model, FULL_STATE_DICT)`` around
 
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
         for i, stmt in enumerate(stmts):
@@ -119,17 +119,17 @@ class _RankChecker(RankTests):
                 node = getattr(stmt, field, None)
                 if isinstance(node, ast.expr):
                     self._calls(node, side, test, scope, found)
-            full = False
+            full: list = []
             if isinstance(stmt, (ast.With, ast.AsyncWith)):
                 for item in stmt.items:
                     self._calls(item.context_expr, side, test, scope, found)
-                full = any(_full_state_dict(item.context_expr) for item in stmt.items)
-            self._full_state_dict += full
+                full = [m for m in map(_full_state_dict, (item.context_expr for item in stmt.items)) if m]
+            self._full_state_dict.extend(full)
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(stmt, field, None)
                 if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
                     self.walk(block, side, test, scope, found)
-            self._full_state_dict -= full
+            del self._full_state_dict[len(self._full_state_dict) - len(full):]
             for handler in getattr(stmt, "handlers", ()):
                 self.walk(handler.body, side, test, scope, found)
 
@@ -138,8 +138,8 @@ class _RankChecker(RankTests):
             if not isinstance(node, ast.Call):
                 continue
             what = self.collective(node, scope)
-            if not what and self._full_state_dict and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr == "state_dict" and not node.args:
+            if not what and isinstance(node.func, ast.Attribute) and node.func.attr == "state_dict" and \
+                    not node.args and ast.unparse(node.func.value) in self._full_state_dict:
                 # ``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:
                 # FSDP all-gathers every parameter for it, on every rank (rank0_only only says who keeps it)
                 what = "state_dict"
@@ -257,10 +257,13 @@ class _RankChecker(RankTests):
 _UNKNOWN = object()
 
 
-def _full_state_dict(node) -> bool:
-    """``FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg)``"""
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-        node.func.attr == "state_dict_type" and "FULL_STATE_DICT" in ast.unparse(node)
+def _full_state_dict(node) -> Optional[str]:
+    """The model of ``FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg)`` (its text), or None:
+    only that model's ``state_dict()`` all-gathers (not an optimizer's or a scheduler's)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and \
+            node.func.attr == "state_dict_type" and "FULL_STATE_DICT" in ast.unparse(node):
+        return ast.unparse(node.args[0])
+    return None
 
 
 def _functions_tested(fn: Function) -> list:
