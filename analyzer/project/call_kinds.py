@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import re
 
-from synccheck.analyzer.project.values import Bound, Func, Obj
+from synccheck.analyzer.project.values import Bound, Func, Inst, Obj
 
 # a LightningModule's hooks Fabric sends through the wrapper's forward when called on the module it set
 # up (``_FabricModule``), so that DDP's hooks run
@@ -71,4 +71,27 @@ def clears_grads(flow, func, scope) -> bool:
             text = v.fn.module.segment(v.fn.node) or ""
             if ".grad = None" in text or ".grad.zero_()" in text or ".grad.data.zero_()" in text:
                 return True
+    return False
+
+
+def library_training_step(flow, vals) -> bool:
+    """Is ``training_step`` on these objects transformers' ``Trainer.training_step`` (a project subclass
+    of ``transformers.Trainer`` that does not define its own)?"""
+    project = flow.project
+    return any(isinstance(v, Inst) and project.attribute(v.cls, "training_step") is None and any(
+        q.startswith("transformers.") and q.endswith("Trainer") for q in project.external_bases(v.cls))
+        for v in vals)
+
+
+_TOKEN_COUNT = re.compile(r"(?i)(?:^|_)(?:n_?tokens|num_\w*tokens|(?:global|total|valid)_\w*tokens|num_items\w*|"
+                          r"token_count|normali[sz]er|denominator)$")
+
+
+def handed_a_token_count(node: ast.Call) -> bool:
+    """``self.loss_fn(pred, labels, global_valid_tokens)``, ``compute_loss(model, inputs,
+    num_items_in_batch=n)``: a loss call handed the window's token count."""
+    for a in list(node.args) + [kw.value for kw in node.keywords]:
+        name = a.id if isinstance(a, ast.Name) else a.attr if isinstance(a, ast.Attribute) else ""
+        if name and _TOKEN_COUNT.search(name):
+            return True
     return False

@@ -13,7 +13,8 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.call_kinds import (FABRIC_REDIRECTED, clears_grads, forward_dispatch, sum_criterion,
+from synccheck.analyzer.project.call_kinds import (FABRIC_REDIRECTED, clears_grads, forward_dispatch,
+                                                   handed_a_token_count, library_training_step, sum_criterion,
                                                    sum_reduced)
 from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.guards import TRUE
@@ -68,33 +69,12 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
         # to the whole batch's sum; no 1/N is missing from it (SC202)
         result = result._replace(scaled=True)
-    elif result.scaled is False and _handed_a_token_count(node):
+    elif result.scaled is False and handed_a_token_count(node):
         # ``self.loss_fn(pred, labels, global_valid_tokens)``, ``compute_loss(model, inputs,
         # num_items_in_batch=n)``: a loss normalised by the window's token count, counted before the
         # micro-steps (torchtitan, transformers' Trainer): whether 1/N is in it, we cannot tell
         result = result._replace(scaled=None)
     return result
-
-
-_TOKEN_COUNT = re.compile(r"(?i)(?:^|_)(?:n_?tokens|num_\w*tokens|(?:global|total|valid)_\w*tokens|num_items\w*|"
-                          r"token_count|normali[sz]er|denominator)$")
-
-
-def _handed_a_token_count(node: ast.Call) -> bool:
-    for a in list(node.args) + [kw.value for kw in node.keywords]:
-        name = a.id if isinstance(a, ast.Name) else a.attr if isinstance(a, ast.Attribute) else ""
-        if name and _TOKEN_COUNT.search(name):
-            return True
-    return False
-
-
-def _library_training_step(flow, vals) -> bool:
-    """Is ``training_step`` on these objects transformers' ``Trainer.training_step`` (a project subclass
-    of ``transformers.Trainer`` that does not define its own)?"""
-    project = flow.project
-    return any(isinstance(v, Inst) and project.attribute(v.cls, "training_step") is None and any(
-        q.startswith("transformers.") and q.endswith("Trainer") for q in project.external_bases(v.cls))
-        for v in vals)
 
 
 def _library_steppers(flow, vals) -> frozenset:
@@ -111,7 +91,7 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         # ``zero_grad(model)``: a project helper that sets every parameter's ``.grad`` to None
         zero_grad(flow, node, args[0].values, st, fr)
         return _val(ONE_UNKNOWN)
-    if recv is not None and func.attr == "training_step" and args and _library_training_step(flow, recv.values):
+    if recv is not None and func.attr == "training_step" and args and library_training_step(flow, recv.values):
         # ``tr_loss += self.training_step(model, inputs)`` in a train loop written over transformers'
         # Trainer: the library's training step runs the model's forward and the backward of its loss
         # (divided by gradient_accumulation_steps)
