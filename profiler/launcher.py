@@ -161,34 +161,18 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
     command = opts.command
 
     started = time.time()
-    try:
-        # Its own process group: a terminal's Ctrl-C reaches only us, and we forward it to the whole
-        # group, as the terminal would have; on a hang the group is what we stop.
-        child = subprocess.Popen(command, env=env, process_group=0)
-    except OSError as exc:
-        if opts.out_dir is None:
-            shutil.rmtree(out_dir, ignore_errors=True)     # nothing ran: nothing to keep
-        if isinstance(exc, FileNotFoundError):
-            raise UsageError(f"command not found: {command[0]}", 127) from None
-        if isinstance(exc, PermissionError):
-            raise UsageError(f"command is not executable: {command[0]}", 126) from None
-        raise UsageError(f"cannot run {command[0]}: {exc.strerror or exc}", 126) from None
-
-    sampler = None
-    if opts.sample_path:
-        from synccheck.profiler.sample import Sampler
-        sampler = Sampler(opts.sample_path, opts.sample_format, opts.sample_rate)
-        sampler.start(child.pid, out_dir, session)
-    result = RunResult(exit_code=0, session=session, out_dir=out_dir, started=started, ended=started,
-                       temporary=opts.out_dir is None)
     received: list[int] = []
+    spawned: list = []
 
     def forward(signum, _frame):
+        # A terminal's Ctrl-C reaches only us: forward it to the child's whole group, as the terminal
+        # would have. One that comes before the child exists is sent as soon as it does.
         received.append(signum)
-        try:
-            os.killpg(child.pid, signum)
-        except ProcessLookupError:
-            pass
+        if spawned:
+            try:
+                os.killpg(spawned[0].pid, signum)
+            except ProcessLookupError:
+                pass
 
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -196,13 +180,38 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
             previous[signum] = signal.signal(signum, forward)
         except (ValueError, OSError):
             pass
-    watchdog = None
-    if opts.hang_timeout:
-        from synccheck.profiler.hang import HangWatch
-        watchdog = HangWatch(out_dir, session, child, opts.hang_timeout, opts.hang_grace)
-    if on_started is not None:
-        on_started(child)
     try:
+        try:
+            # Its own process group: on a hang the group is what we stop.
+            child = subprocess.Popen(command, env=env, process_group=0)
+        except OSError as exc:
+            if opts.out_dir is None:
+                shutil.rmtree(out_dir, ignore_errors=True)     # nothing ran: nothing to keep
+            if isinstance(exc, FileNotFoundError):
+                raise UsageError(f"command not found: {command[0]}", 127) from None
+            if isinstance(exc, PermissionError):
+                raise UsageError(f"command is not executable: {command[0]}", 126) from None
+            raise UsageError(f"cannot run {command[0]}: {exc.strerror or exc}", 126) from None
+        spawned.append(child)
+        for signum in list(received):
+            try:
+                os.killpg(child.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        sampler = None
+        if opts.sample_path:
+            from synccheck.profiler.sample import Sampler
+            sampler = Sampler(opts.sample_path, opts.sample_format, opts.sample_rate)
+            sampler.start(child.pid, out_dir, session)
+        result = RunResult(exit_code=0, session=session, out_dir=out_dir, started=started, ended=started,
+                           temporary=opts.out_dir is None)
+        watchdog = None
+        if opts.hang_timeout:
+            from synccheck.profiler.hang import HangWatch
+            watchdog = HangWatch(out_dir, session, child, opts.hang_timeout, opts.hang_grace)
+        if on_started is not None:
+            on_started(child)
         while True:
             try:
                 returncode = child.wait(timeout=POLL_S)

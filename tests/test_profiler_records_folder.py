@@ -124,3 +124,27 @@ def test_a_real_job_is_reported_then_its_records_removed(tmpdir_env, tmp_path):
     data = json.loads(report.read_text())
     assert [r["optimizer_steps"] for r in data["ranks"]] == [2, 2]     # read from the records...
     assert leftovers(folder) == []                                     # ...which are gone
+
+
+def test_ctrl_c_as_the_command_starts_reaches_it(tmp_path, monkeypatch):
+    """A Ctrl-C that arrives while the command is being started (the terminal's signal reaches only the
+    profiler, the child has its own process group) is forwarded to the command as soon as it exists,
+    not lost: the profiler's own default handler once raised in it, and the child slept on."""
+    from synccheck.profiler import launcher
+
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        child = real_popen(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)      # Ctrl-C in the window between spawn and wait
+        return child
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen_then_ctrl_c)
+    script = "import sys, time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n    sys.exit(0)\n"
+    opts = launcher.ProfileOptions(command=[sys.executable, "-c", script], out_dir=str(tmp_path / "records"))
+    started = time.time()
+    result = launcher.run(opts)
+    assert result.interrupted == "SIGINT"
+    # the child got it: at once, while Python was starting (killed by SIGINT: 130), or in its try block (0)
+    assert result.exit_code in (0, 130)
+    assert time.time() - started < 20
