@@ -302,13 +302,9 @@ class Program(WrappedModels):
             return []               # ``super().__init__(...)``: as any call on a value we cannot see
         out = []
         for sub in self.project.subclasses(klass):
-            mro = self.project.mro(sub)
-            for later in mro[mro.index(klass) + 1:] if klass in mro else ():
-                method = later.methods.get(name)
-                if method is not None:
-                    if method not in out:
-                        out.append(method)
-                    break
+            method = self.project.method_after(sub, klass, name)
+            if method is not None and method not in out:
+                out.append(method)
         return out
 
     def fn_words(self, fn: Function) -> frozenset:

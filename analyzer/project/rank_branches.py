@@ -15,7 +15,7 @@ from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, parameter_default
 from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
-from synccheck.analyzer.project.rank_tests import RankTests, _kind, _negation
+from synccheck.analyzer.project.rank_tests import RankTests, _kind, _negation, _ranked
 
 class RankCollective(NamedTuple):
     module: object
@@ -85,13 +85,13 @@ class _RankChecker(RankTests):
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
         for i, stmt in enumerate(stmts):
             if isinstance(stmt, ast.If):
-                on_true, on_false = self.sides(stmt.test, scope)
-                single = self._sides(stmt.test, scope, 0) if side is not None else (None, None)
-                if "single" in single:
+                read = self._sides(stmt.test, scope, 0)
+                on_true, on_false = _ranked(read)
+                if side is not None and "single" in read:
                     # ``if args.local_rank == -1: evaluate(...)`` on the main rank's side: that branch
                     # runs in a job that is not distributed, where no collective can hang
                     self._calls(stmt.test, side, test, scope, found)
-                    self.walk(stmt.orelse if single[0] == "single" else stmt.body, side, test, scope, found)
+                    self.walk(stmt.orelse if read[0] == "single" else stmt.body, side, test, scope, found)
                     continue
                 if (on_true is not None or on_false is not None) and side is None:
                     text, negated = ast.unparse(stmt.test), _negation(stmt.test)

@@ -28,10 +28,7 @@ class RankTests:
     def sides(self, test, scope) -> tuple:
         """(ranks where the test holds, ranks where it does not): "main", "other" or None (no
         restriction: every rank may be there)."""
-        on_true, on_false = self._sides(test, scope, 0)
-        if on_true == on_false:
-            return None, None
-        return _ranks(on_true), _ranks(on_false)
+        return _ranked(self._sides(test, scope, 0))
 
     def _sides(self, test, scope, depth: int) -> tuple:
         # a third value, "single": the job is not distributed (``not args.distributed``,
@@ -193,6 +190,14 @@ def _agree(sides: list) -> Optional[str]:
     if len(found) != 1 or None in found:
         return None
     return "single" if all(s == "single" for s in sides) else found.pop()
+
+
+def _ranked(read: tuple) -> tuple:
+    """RankTests.sides from what ``_sides`` read: "single" is no side of the ranks."""
+    on_true, on_false = read
+    if on_true == on_false:
+        return None, None
+    return _ranks(on_true), _ranks(on_false)
 
 
 def _ranks(side: Optional[str]) -> Optional[str]:

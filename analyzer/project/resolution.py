@@ -220,6 +220,14 @@ class Resolution:
             sym = self.attribute(sym, attr)
         return sym
 
+    def method_after(self, klass: Class, after: Class, name: str):
+        """The method ``name`` that comes after the class ``after`` in the MRO of ``klass``: what
+        ``super().name`` in a method of ``after`` runs on an instance of ``klass``; None if none."""
+        mro = self.mro(klass)
+        if after not in mro:
+            return None
+        return next((k.methods[name] for k in mro[mro.index(after) + 1:] if name in k.methods), None)
+
     def mro(self, klass: Class) -> list:
         """The class and its project base classes, depth first (cycles cut)."""
         if klass.mro is None:

@@ -227,15 +227,14 @@ def _opaque_context(flow, node, vals, fr) -> bool:
         # ``ctx = nullcontext() if device_type == "cpu" else torch.cuda.amp.autocast()`` made once,
         # then ``with ctx:`` in the loop (nanoGPT, minimind): what it is bound to says what it is
         made = _bound_calls(flow, node.id, fr)
-        if made and all(_harmless_call(flow, call, fr.scope if scope is None else scope, fr)
-                        for call, scope in made):
+        if made and all(_harmless_call(flow, call, scope) for call, scope in made):
             return False
-    if _harmless_call(flow, node, fr.scope, fr):
+    if _harmless_call(flow, node, fr.scope):
         return False
     return any(isinstance(v, (Obj, Unknown, Ext)) for v in vals)
 
 
-def _harmless_call(flow, node, scope, fr) -> bool:
+def _harmless_call(flow, node, scope) -> bool:
     """A context made by (or named) torch's, contextlib's, a profiler's, a logger's...: no sync in it."""
     func = node.func if isinstance(node, ast.Call) else node
     text = ast.unparse(func)
@@ -250,14 +249,7 @@ def _harmless_call(flow, node, scope, fr) -> bool:
 def _bound_calls(flow, name: str, fr) -> list:
     """(call, scope) for every expression ``name`` is bound to, in the function or at the module's top,
     through conditional expressions; [] when one of them is not a call."""
-    values = flow.values
-    bound = []
-    scope = fr.scope
-    if isinstance(scope, Function) and name in values.info(scope).locals:
-        bound = [(value, scope) for value, _ in values.info(scope).assigns.get(name, ())]
-    else:
-        module = values.module_of(scope)
-        bound = [(value, module) for value in module.globals.get(name, ())]
+    bound = flow.values.bound_expressions(name, fr.scope)
     out = []
     while bound:
         value, where = bound.pop()

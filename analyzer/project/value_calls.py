@@ -158,11 +158,7 @@ class CallValues:
         ``dict(static_graph=True, ...)``) is bound in the same scope or at the module's top."""
         if not isinstance(node, ast.Name):
             return False
-        if isinstance(scope, Function):
-            bound = [value for value, _ in self.info(scope).assigns.get(node.id, ())]
-        else:
-            bound = list(scope.globals.get(node.id, ()))
-        for value in bound:
+        for value, _ in self.bound_expressions(node.id, scope):
             if isinstance(value, ast.Dict):
                 if any(isinstance(k, ast.Constant) and k.value == "static_graph" and _truthy(v)
                        for k, v in zip(value.keys, value.values)):

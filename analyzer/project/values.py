@@ -88,6 +88,15 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
             scope.info = found
         return found
 
+    def bound_expressions(self, name: str, scope) -> list:
+        """(expression, scope) for each assignment of ``name``: the function's own when it binds the
+        name, else the module's top level (``ctx = nullcontext() if cpu else autocast()``,
+        ``ddp_options = dict(static_graph=True)``)."""
+        if isinstance(scope, Function) and name in self.info(scope).locals:
+            return [(value, scope) for value, _ in self.info(scope).assigns.get(name, ())]
+        module = self.module_of(scope)
+        return [(value, module) for value in module.globals.get(name, ())]
+
     @staticmethod
     def module_of(scope) -> Module:
         return scope.module if isinstance(scope, Function) else scope
@@ -401,16 +410,16 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
     def super_attribute(self, sup: Super, attr: str) -> frozenset:
         """``super().compute_loss`` in a mixin: the method after the mixin in the MRO of the instance's
         class (``LMTrainer(LossScaleMixin, LMBase)``: LMBase's), bound to the instance."""
-        mro = self.project.mro(sup.inst.cls)
-        if sup.after not in mro or attr.startswith("__"):
+        if attr.startswith("__"):
             return ONE_UNKNOWN      # (``super().__init__(...)``, in every module of a model library: not followed)
-        for klass in mro[mro.index(sup.after) + 1:]:
-            method = klass.methods.get(attr)
-            if method is not None:
-                if method.is_property:
-                    return self.returns(method) or ONE_UNKNOWN
-                return frozenset((Bound(method, sup.inst),))
-        return ONE_UNKNOWN
+        method = self.project.method_after(sup.inst.cls, sup.after, attr)
+        return ONE_UNKNOWN if method is None else self._method_value(method, sup.inst)
+
+    def _method_value(self, method: Function, inst: Inst) -> frozenset:
+        if method.is_property:
+            # ``self.model`` read through ``@property def model(self)``: what it returns
+            return self.returns(method) or ONE_UNKNOWN
+        return frozenset((Bound(method, inst),))
 
     def instance_attribute(self, inst: Inst, attr: str) -> frozenset:
         return self._memoized(("iattr", inst.cls.uid, attr), lambda: self._instance_attribute(inst, attr))
@@ -419,11 +428,7 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
         out = set()
         for klass in self.project.mro(inst.cls):
             if attr in klass.methods:
-                method = klass.methods[attr]
-                if method.is_property:
-                    # ``self.model`` read through ``@property def model(self)``: what it returns
-                    return self.returns(method) or ONE_UNKNOWN
-                return frozenset((Bound(method, inst),))
+                return self._method_value(klass.methods[attr], inst)
             for scope, value, path in _class_attrs(self, klass).get(attr, ()):
                 if path == ITEM:
                     out.add(Bag(_cap(self.expr(value, scope)), True))

@@ -160,8 +160,9 @@ def _made_from_class(program, site) -> list:
     from synccheck.analyzer.project.call_kinds import calls_at
     from synccheck.analyzer.project.value_types import Cls
     out = []
-    for node in calls_at(program, site):
-        module = next(m for m in program.project.modules() if m.path == site[0])
+    calls = calls_at(program, site)
+    module = next((m for m in program.project.modules() if m.path == site[0]), None) if calls else None
+    for node in calls:
         scope = _enclosing(module, node) or module
         out.extend(v.cls for v in program.values.expr(node.func, scope) if isinstance(v, Cls))
     return out
