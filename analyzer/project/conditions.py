@@ -16,7 +16,7 @@ import re
 from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function
-from synccheck.analyzer.project.guards import FALSE, MASKS, TRUE, last_form, mod_form, mod_parts
+from synccheck.analyzer.project.guards import COMPARISONS, FALSE, MASKS, TRUE, last_form, mod_form, mod_parts
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.traversal import children, walk
@@ -73,9 +73,7 @@ def volatile(node) -> bool:
     return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in walk(node))
 
 
-# comparisons of a loop's counter with a number, evaluated at the counter's first value
-_AT_START = {ast.Eq: lambda a, b: a == b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
-             ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b}
+# a comparison with its sides swapped (``0 < i`` is ``i > 0``), for a loop counter's first value (guards.COMPARISONS)
 _MIRRORED = {ast.Gt: ast.Lt, ast.Lt: ast.Gt, ast.GtE: ast.LtE, ast.LtE: ast.GtE}
 
 
@@ -236,7 +234,7 @@ class Conditions:
         """``micro_step == 0`` on a counted loop's counter: true on its first iteration only, so
         never together with its last (a loop of micro-steps runs more than once, as the mod forms
         assume). ``i > 0``, ``i >= 1``, ``i < 1``: what they say on the first iteration is known too."""
-        if len(node.ops) != 1 or type(node.ops[0]) not in _AT_START:
+        if len(node.ops) != 1 or type(node.ops[0]) not in COMPARISONS:
             return
         left, right, op = node.left, node.comparators[0], type(node.ops[0])
         if isinstance(left, ast.Constant):
@@ -248,7 +246,7 @@ class Conditions:
             return
         loop, start = found
         # what the test says on the first iteration (``i > 0``: false there, as ``i != 0`` is)
-        atom.first = (loop, _AT_START[op](start, right.value))
+        atom.first = (loop, COMPARISONS[op](start, right.value))
         # (true on the first iteration only: never together with the last)
         only_first = (op in (ast.Eq, ast.LtE) and right.value == start) or (op is ast.Lt and right.value == start + 1)
         last = self.flow.last_atoms.get(loop)
@@ -386,15 +384,13 @@ def _whole_range(node, loop) -> Optional[bool]:
 
 def _bound(node, versions) -> Optional[tuple]:
     """(what is compared, operator, number) of ``x == 1``, ``cfg.accum > 1``, ``n >= 2`` (Atoms.get)."""
-    if type(node) is not ast.Compare or len(node.ops) != 1 or type(node.ops[0]) not in _BOUND_OPS:
+    if type(node) is not ast.Compare or len(node.ops) != 1 or type(node.ops[0]) not in COMPARISONS:
         return None
     right = node.comparators[0]
     if type(right) is not ast.Constant or type(right.value) not in (int, float):
         return None
     return (ast.dump(node.left), versions), type(node.ops[0]), right.value
 
-
-_BOUND_OPS = frozenset((ast.Eq, ast.Lt, ast.LtE, ast.Gt, ast.GtE))
 
 
 def _constant(value) -> Optional[bool]:

@@ -85,8 +85,9 @@ class Atom:
         return f"`{self.text}` is {'true' if value else 'false'}{self.after}"
 
 
-_COMPARE = {ast.Eq: lambda x, n: x == n, ast.Lt: lambda x, n: x < n, ast.LtE: lambda x, n: x <= n,
-            ast.Gt: lambda x, n: x > n, ast.GtE: lambda x, n: x >= n}
+# a comparison's operator -> what it says of two numbers (conditions.py reads tests with it too)
+COMPARISONS = {ast.Eq: lambda x, n: x == n, ast.Lt: lambda x, n: x < n, ast.LtE: lambda x, n: x <= n,
+               ast.Gt: lambda x, n: x > n, ast.GtE: lambda x, n: x >= n}
 
 
 class Atoms:
@@ -127,7 +128,7 @@ class Atoms:
     def _relate(self, a: Atom, op_a, num_a, b: Atom, op_b, num_b) -> None:
         # the number line splits at the two numbers: a point on each side and between decides
         points = [n + d for n in (num_a, num_b) for d in (-1, -0.5, 0, 0.5, 1)]
-        both = [(_COMPARE[op_a](p, num_a), _COMPARE[op_b](p, num_b)) for p in points]
+        both = [(COMPARISONS[op_a](p, num_a), COMPARISONS[op_b](p, num_b)) for p in points]
         a_mask, b_mask = MASKS[a.index], MASKS[b.index]
         if not any(x and y for x, y in both):
             self.universe &= ~(a_mask & b_mask) & TRUE
