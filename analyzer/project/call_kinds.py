@@ -56,7 +56,7 @@ def calls_at(program, site) -> list:
     calls = table.get(site[0])
     if calls is None:
         calls = table[site[0]] = {}
-        module = next((m for m in program.project.modules() if m.path == site[0]), None)
+        module = program.project.module_at(site[0])
         for n in ast.walk(module.tree) if module is not None else ():
             if isinstance(n, ast.Call):
                 calls.setdefault((n.lineno, n.col_offset), []).append(n)

@@ -197,6 +197,11 @@ class Project(Resolution):
     def modules(self) -> list:
         return list(self.by_path.values())
 
+    def module_at(self, path: str) -> Optional[Module]:
+        """The parsed module of a path as the analysis spells it (a site's first part), or None."""
+        return self.by_path.get(os.path.abspath(path)) or next((m for m in self.by_path.values() if m.path == path),
+                                                               None)
+
     def close(self) -> None:
         """Break the references between modules, classes and functions, so that reference counting
         frees every tree as soon as the analysis lets go of the project (no collector pass)."""

@@ -145,7 +145,7 @@ def _forwards_through(scope, ctx_call, target) -> bool:
 def _binding(program, wrapper: Wrapper) -> str:
     """The name a wrapper was bound to where it was made (``ddp_model``), for messages."""
     path, line, col = wrapper.site[:3]
-    module = program.project.by_path.get(path) or next((m for m in program.project.modules() if m.path == path), None)
+    module = program.project.module_at(path)
     if module is None:
         return "the wrapper"
     for node in walk(module.tree):

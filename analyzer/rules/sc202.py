@@ -161,7 +161,7 @@ def _made_from_class(program, site) -> list:
     from synccheck.analyzer.project.value_types import Cls
     out = []
     calls = calls_at(program, site)
-    module = next((m for m in program.project.modules() if m.path == site[0]), None) if calls else None
+    module = program.project.module_at(site[0]) if calls else None
     for node in calls:
         scope = _enclosing(module, node) or module
         out.extend(v.cls for v in program.values.expr(node.func, scope) if isinstance(v, Cls))
