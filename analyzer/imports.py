@@ -160,11 +160,11 @@ def path_tails(paths) -> dict:
     return table
 
 
-def by_tail(table: dict, level: int, name: str):
+def by_tail(table: dict, name: str):
     """The one file of ``table`` (path_tails) a dotted absolute import names, or None: a launcher in
     ``pytorch/launcher/`` importing ``libs.egs`` from ``pytorch/libs/``, which a ``sys.path.insert``
     puts on the path when it runs."""
-    if level or "." not in name:
+    if "." not in name:
         return None
     found = table.get(tuple(name.split(".")), ())
     return next(iter(found)) if len(found) == 1 else None
@@ -218,7 +218,7 @@ class Components:
                 else:
                     if not level and "." in name:
                         tails = path_tails(files) if tails is None else tails
-                        target = by_tail(tails, level, name)
+                        target = by_tail(tails, name)
                         if target is not None:
                             self.union(path, target)
         groups: dict = {}

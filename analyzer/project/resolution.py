@@ -53,7 +53,7 @@ class Resolution:
         count = len(self.by_path) + len(self.catalog)
         if self._suffixes is None or self._suffixes[0] != count:
             self._suffixes = (count, path_tails(list(self.by_path) + list(self.catalog)))
-        return by_tail(self._suffixes[1], 0, name)
+        return by_tail(self._suffixes[1], name)
 
     def _find_file(self, directory: str, parts: list) -> Optional[Module]:
         path = self._find_path(directory, parts) if parts else self._init_file(directory)
