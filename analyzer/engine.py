@@ -3,7 +3,7 @@
 find files (files.py) -> read and filter by words (source.py, gate.py) -> parse (parse.py) -> index the project
 (project/index.py, definitions.py, resolution.py) -> abstract values (project/values.py, value_*.py) -> the
 sync dataflow of every training loop (project/syncflow.py, flow_state.py, loops.py; events.py, event_calls.py,
-event_methods.py, micro_step.py, sync_control.py) -> facts (project/facts.py, gradient_cache.py, static.py,
+inlining.py, event_methods.py, micro_step.py, sync_control.py) -> facts (project/facts.py, gradient_cache.py, static.py,
 unwrapped.py) -> rules (rules/) -> report.
 
 ``check_source`` runs it on one text; ``lint`` on files and folders, as one project: a loop in

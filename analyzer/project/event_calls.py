@@ -2,7 +2,7 @@
 
 A call's arguments are evaluated first, then what the callee may be decides: a data-parallel model
 (a forward), a method that is an event (event_methods.py), a project function or class (analysed in
-place by ``inline`` with the caller's state and arguments, memoized on that input), a
+place by ``inline``, inlining.py, with the caller's state and arguments, memoized on that input), a
 ``@contextmanager`` helper (entered later by the ``with``, sync_control.py), a ``functools.partial``,
 or something unknown (its result carries its arguments' provenance). A callee that is one of several
 values on different paths is each of them on its own path.
@@ -16,13 +16,11 @@ from typing import Optional
 from synccheck.analyzer.project.call_kinds import (FABRIC_REDIRECTED, clears_grads, forward_dispatch,
                                                    handed_a_token_count, library_training_step, sum_criterion,
                                                    sum_reduced)
-from synccheck.analyzer.project.definitions import Function, called_name
+from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
-from synccheck.analyzer.project.traversal import walk
-from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
-                                               Optim, Super, Unknown, Wrapper, parameter_default, site_of)
+                                               Optim, Super, Unknown, Wrapper, site_of)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,28 +224,6 @@ def _opaque_dispatch(flow, targets, args, kws, site) -> EnvVal:
     return _val(frozenset(out) or ONE_UNKNOWN, _prov(*args, *kws.values()))
 
 
-def _held_models(flow, inst: Inst) -> frozenset:
-    """The data-parallel models an instance keeps in its attributes (``self.model``, the values of
-    ``self.modules``), whatever class of its MRO stores them."""
-    key = ("held", inst.cls.uid)
-    if key not in flow.memo:
-        flow.memo[key] = frozenset()        # a cycle through the attributes reads as none
-        models = set()
-        for vals in _attribute_values(flow, inst):
-            models |= flow.program.wrappers(vals | flow.values.elements(vals, values_of_dict=True))
-        flow.memo[key] = frozenset(models)
-    return flow.memo[key]
-
-
-def _attribute_values(flow, inst: Inst):
-    """The values of each attribute an instance has, whatever class of its MRO stores it."""
-    attrs = set()
-    for klass in flow.project.mro(inst.cls):
-        attrs.update(_class_attrs(flow.values, klass))
-    for attr in sorted(attrs):
-        yield flow.values.instance_attribute(inst, attr)
-
-
 def _opaque_object(callee) -> bool:
     """An object we know only by where it came from (a parameter, an attribute set from one), called
     itself -- not a method of something unknown (``ema.update(model)``) nor a function we can read."""
@@ -270,12 +246,6 @@ def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:
     joined = flow.join(parts)
     st.props = joined.props if joined is not None else {}
     return result or _val(ONE_UNKNOWN, _prov(*args, *kws.values()), False)
-
-
-def _literal_default(node, name: str):
-    """The default of parameter ``name`` when it is a literal (True, 0, None, "x"), else None."""
-    value = parameter_default(node, name)
-    return value if isinstance(value, ast.Constant) else None
 
 
 def _factory_by_alts(flow, node, callee: EnvVal, recv, args, kws, st, fr) -> EnvVal:
@@ -358,115 +328,6 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
     return result
 
 
-def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=None,
-           control=None, seed=None) -> Optional[EnvVal]:
-    """Analyse ``fn`` in place with the caller's state; None when it cannot matter or cannot be followed.
-    ``seed``: values the callee starts with beyond its parameters (``self.model`` of a context object)."""
-    if fn.abstract:
-        return None         # a hook that subclasses fill: the base's raise is not what runs
-    carries = any(a.prov or flow.program.wrappers(a.values)
-                  for a in list(args) + list(kws.values()) + list((seed or {}).values()))
-    if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
-        return None
-    if yield_handler is None and not carries and not _worth_inlining(flow, fn, receiver, args, kws):
-        return None
-    env = dict(seed or {})
-    params = list(fn.params)
-    positional = list(args)
-    if receiver is not None and fn.is_method and params:
-        env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))._replace(
-            origin=origin_of(node.func.value, st) if isinstance(node.func, ast.Attribute) else None)
-        params = params[1:]
-    kwonly = {a.arg for a in fn.node.args.kwonlyargs}
-    kw_nodes = {kw.arg: kw.value for kw in node.keywords if kw.arg is not None}
-    for i, name in enumerate(params):
-        source = None
-        if name in kws:
-            value = kws[name]
-            source = kw_nodes.get(name)
-        elif i < len(positional) and name not in kwonly and not any(isinstance(a, ast.Starred) for a in node.args[:i + 1]):
-            value = positional[i]
-            source = node.args[i] if i < len(node.args) else None
-        elif not node.keywords or all(k.arg is not None for k in node.keywords):
-            # not passed: a literal default is what the callee sees (``update_grad=True``)
-            default = _literal_default(fn.node, name)
-            if default is None or any(isinstance(a, ast.Starred) for a in node.args):
-                continue
-            value = expr(flow, default, st, fr)
-        else:
-            continue
-        origin = value.origin
-        if origin is None and source is not None and type(source) in _COPIES:
-            origin = origin_of(source, st)
-        env[name] = value._replace(version=("arg", id(node), i), origin=origin)
-    key = None
-    if yield_handler is None:
-        key = (fn.uid, tuple(sorted((k, _freeze(v)) for k, v in env.items())), frozenset(st.props.items()), fr.no_grad > 0)
-        hit = flow.memo.get(key)
-        if hit is not None:
-            st.props = dict(hit[0])
-            return hit[1]
-    from synccheck.analyzer.project.syncflow import Frame, St
-    frame = Frame(fn, fr.depth + 1, fr.stack + (fn.uid,), fr.no_grad)
-    if fn.parent is not None and fn.parent is fr.scope:
-        # a closure called where it is defined sees the caller's loop counters: ``i < len(samples)``
-        # in fairseq's ``maybe_no_sync()`` is a test of the enclosing ``for i, sample in ...``
-        frame.loops = list(fr.loops)
-    frame.yield_handler = yield_handler
-    # a flag a @contextmanager helper writes is the caller's ``with helper(...)``: reported there
-    frame.control = control or fr.control
-    if any(called_name(d) in ("no_grad", "inference_mode") for d in fn.node.decorator_list):
-        frame.no_grad += 1
-    flow.call_stack.append((fr.module, node))
-    try:
-        out = flow.block(fn.node.body, St(dict(st.props), env), frame)
-    finally:
-        flow.call_stack.pop()
-    ends = flow.join([out] + frame.returns)
-    props = ends.props if ends is not None else {}
-    if frame.ret_vals:
-        rets = frame.ret_vals
-        if len(rets) > 1:
-            # ``if enabled: return model.no_sync()`` / ``return nullcontext()``: each value holds on the
-            # paths that return it (the caller's ``with`` then turns sync off where ``enabled`` holds)
-            rets = [_on_paths(r, returned) for r, returned in zip(rets, frame.returns)]
-        result = rets[0]
-        for r in rets[1:]:
-            result = EnvVal(result.alts + tuple(a for a in r.alts if a not in result.alts), result.prov | r.prov,
-                            True if (result.scaled or r.scaled) else result.scaled,
-                            result.cond if result.cond == r.cond else None)
-    else:
-        result = NONE_VAL
-    st.props = dict(props)
-    if key is not None:
-        flow.memo[key] = (props, result)
-    return result
-
-
-_CALLABLE = (Func, Bound, Cls, Inst, Inner, Obj)
-
-
-def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
-    """Can analysing ``fn`` in place change what happens to gradients? It runs an event (a backward,
-    a step, a sync control) through the calls it makes; or it calls a value that may be a model or a
-    callback, and it was handed one (a callable argument, an instance that holds data-parallel models
-    or callables). A library function that only calls its own objects (a pipeline's ``__call__``, a
-    VAE's tiled encode) cannot: its body is not walked, what it returns is read from its returns."""
-    words = flow.program.fn_words(fn)
-    if words - flow.program.CALLS_ONLY:
-        return True
-    if _returns_a_test(fn) or _returns_a_sync_control(fn):
-        return True
-    if "call" not in words:
-        return False
-    if fn.parent is not None:
-        return True                         # a closure: it may call the caller's model
-    for a in list(args) + list(kws.values()):
-        if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
-            return True
-    return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
-
-
 def _inner_wrappers(values) -> frozenset:
     """The DDP / accelerate wrappers whose inner module (``model.module``) is among these values."""
     return frozenset(v.wrapper for v in values if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
@@ -508,68 +369,10 @@ def _call_lambda(flow, lam: ast.Lambda, args, kws, st, fr) -> EnvVal:
     return out
 
 
-def _on_paths(value: EnvVal, st) -> EnvVal:
-    """``value`` restricted to the paths that reach state ``st`` (the guards of its properties)."""
-    if st is None or not st.props:
-        return value
-    reach = 0
-    for guard in st.props.values():
-        reach |= guard
-    alts = tuple((g & reach, v) for g, v in value.alts if g & reach)
-    return value._replace(alts=alts) if alts else value
-
-
-def _returns_a_sync_control(fn: Function) -> bool:
-    """``return self.model.no_sync if self.accumulating else nullcontext``: a sync control (or its
-    factory) picked by a test the caller's state decides (walked, the test is the caller's)."""
-    ret = fn.only_return
-    return ret is not None and any(isinstance(n, ast.Attribute) and n.attr in _SYNC_ATTRS for n in walk(ret))
-
-
-_SYNC_ATTRS = ("no_sync", "no_backward_sync")
-
-
-def _returns_a_test(fn: Function) -> bool:
-    """``def _is_boundary(self): return (self.micro_step + 1) % self.accum == 0``: a predicate whose
-    test the caller branches on (walked, it is a condition the step's gate is made of)."""
-    return isinstance(fn.only_return, (ast.Compare, ast.BoolOp, ast.UnaryOp))
-
-
-def _holds_callables(flow, inst: Inst) -> bool:
-    """Does an instance keep a data-parallel model, or a function or object of ours it may call
-    (``self.loss_fn = compute_loss``), in its attributes?"""
-    key = ("holds", inst.cls.uid)
-    if key not in flow.memo:
-        flow.memo[key] = True               # (a cycle through the attributes reads as holding one)
-        found = bool(_held_models(flow, inst))
-        if not found:
-            for vals in _attribute_values(flow, inst):
-                if any(isinstance(v, (Func, Bound, Inner, FlowPartial)) or isinstance(v, Inst) and
-                       _runs_events(flow, v) for v in vals):
-                    found = True
-                    break
-        flow.memo[key] = found
-    return flow.memo[key]
-
-
-def _runs_events(flow, inst: Inst) -> bool:
-    """Does calling this instance (its ``__call__``, or a module's ``forward``) run an event?"""
-    for name in ("__call__", "forward"):
-        method = flow.project.attribute(inst.cls, name)
-        if isinstance(method, Function):
-            return bool(flow.program.fn_words(method) - flow.program.CALLS_ONLY)
-    return False
-
-
-def _freeze(value: EnvVal):
-    return (value.alts, value.prov, value.scaled, value.cond, value.origin)
-
-
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
-from synccheck.analyzer.project.events import (_COPIES, NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial,
-                                               _property_test,
-                                               _prov, _val, expr)
-from synccheck.analyzer.project.state import origin_of
+from synccheck.analyzer.project.events import (FlowCtx, FlowFactory, FlowHelper, FlowPartial, _property_test, _prov,
+                                               _val, expr)
+from synccheck.analyzer.project.inlining import _held_models, inline
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
 from synccheck.analyzer.project.micro_step import backward, forward, inner_forward, step as micro_step, zero_grad

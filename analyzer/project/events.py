@@ -10,7 +10,7 @@ analysed in place (syncflow's summaries); anything else leaves the state alone a
 provenance of its arguments on (a loss computed from a model's output is that model's loss).
 
 This module is part 1: the sync flow's value types (``FlowCtx``, ``FlowFactory``, ...), expressions and
-assignments. The other parts: event_calls.py (calls, project functions analysed in place),
+assignments. The other parts: event_calls.py (calls), inlining.py (project functions analysed in place),
 event_methods.py (library calls and methods that are events), micro_step.py (forward, backward,
 step, zero_grad, sync flags: the transfers) and sync_control.py (sync controls and ``with``). Every
 name they define stays importable from here, as ``events.<name>``.
@@ -261,7 +261,7 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
 
 def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
     """``if self.at_boundary:`` through ``@property def at_boundary(self): return (self.step + 1) %
-    self.accum == 0``: the property's test, read as the caller's condition (event_calls.inline); so
+    self.accum == 0``: the property's test, read as the caller's condition (inlining.inline); so
     for a property that picks a sync control (``self.model.no_sync if self.accumulating else ...``)."""
     if len(receivers) != 1:
         return None
@@ -312,9 +312,9 @@ def _text(fr, node) -> str:
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order. Every name of the parts is
 # importable from here too, as it was before events.py was split.
-from synccheck.analyzer.project.event_calls import (_call_target, _factory_by_alts, _forward_by_alts, _freeze,
-                                                    _literal_default, _returns_a_sync_control, _returns_a_test,
-                                                    call, inline)
+from synccheck.analyzer.project.event_calls import _call_target, _factory_by_alts, _forward_by_alts, call
+from synccheck.analyzer.project.inlining import (_freeze, _literal_default, _returns_a_sync_control, _returns_a_test,
+                                                 inline)
 from synccheck.analyzer.project.event_methods import (_COUNT_WORDS, _UNWEIGHTED, _external, _method, _name,
                                                       _native_scaler, _scale_call, _unknown, scales_by_count,
                                                       weighted)

@@ -265,6 +265,6 @@ def _bound_calls(flow, name: str, fr) -> list:
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import FlowCtx, FlowHelper, _text, _val, assign, expr
-from synccheck.analyzer.project.event_calls import inline
+from synccheck.analyzer.project.inlining import inline
 from synccheck.analyzer.project.event_methods import _name
 from synccheck.analyzer.project.micro_step import _each
