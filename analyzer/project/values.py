@@ -16,9 +16,10 @@ wrap or own is looked up from that site on demand, so a value's identity never d
 in which the analysis met it.
 
 The stage's modules: value_types.py (the values and the budgets), value_helpers.py (the syntax read),
-value_containers.py, value_params.py and value_calls.py (parts of ``Values``: containers, parameters
-and their callers, calls), and this one: ``Values`` itself, memoization with cycles, names,
-expressions and attributes. Every name these modules define stays importable from here.
+value_containers.py, value_params.py, value_calls.py, value_records.py and value_attributes.py (parts of
+``Values``: containers, parameters and their callers, calls, records, attributes), and this one:
+``Values`` itself, memoization with cycles, names and expressions. Every name these modules define
+stays importable from here.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from synccheck.analyzer.project.definitions import (Class, External, Function, G
                                                     qualified_name)
 from synccheck.analyzer.project.index import Project
 from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores, scope_info
+from synccheck.analyzer.project.value_attributes import _LOADER_SAMPLERS, AttributeValues, _receiver_of
 from synccheck.analyzer.project.value_calls import CallValues
 from synccheck.analyzer.project.value_containers import ContainerValues
 from synccheck.analyzer.project.value_params import ParameterValues
@@ -50,7 +52,7 @@ from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLER
 
 # ---------------------------------------------------------------------------------------------------
 
-class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
+class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, RecordValues):
     """The value analysis of one project."""
 
     def __init__(self, project: Project) -> None:
@@ -372,127 +374,3 @@ class Values(ContainerValues, ParameterValues, CallValues, RecordValues):
                     out.add(UNKNOWN)
             values = frozenset(out)
         return values
-
-    def attribute(self, receivers: frozenset, attr: str, node, scope) -> frozenset:
-        out = set()
-        for v in receivers:
-            if isinstance(v, (Mod, Ext, Cls)):
-                sym = self.project.attribute(v.module if False else _symbol_of(v), attr)
-                if isinstance(v, Cls) and isinstance(sym, Function) and sym.is_method and any(
-                        called_name(d) == "classmethod" for d in sym.node.decorator_list):
-                    out.add(Bound(sym, v))         # ``Pipe.load(path)``: ``cls`` is Pipe
-                    continue
-                out |= self.symbol(sym) if sym is not None else (
-                    {Ext(f"{v.qualname}.{attr}")} if isinstance(v, Ext) else {UNKNOWN})
-            elif isinstance(v, Inst):
-                out |= self.instance_attribute(v, attr)
-            elif isinstance(v, Super):
-                out |= self.super_attribute(v, attr)
-            elif isinstance(v, Wrapper):
-                if attr == "module":
-                    out.add(Inner(v))
-                elif attr == "no_sync":
-                    out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
-                    self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
-                else:
-                    out.add(UNKNOWN)
-            elif isinstance(v, Loader) and attr in _LOADER_SAMPLERS:
-                out |= self.loader_samplers(v, attr)
-            elif isinstance(v, Sampler) and attr == "sampler":
-                out.add(v)      # ``loader.batch_sampler.sampler``: a batch sampler stands for what it wraps
-            elif isinstance(v, (Obj, Unknown)) and attr == "no_sync":
-                out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
-                self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
-            else:
-                out.add(UNKNOWN)
-        return frozenset(out)
-
-    def super_attribute(self, sup: Super, attr: str) -> frozenset:
-        """``super().compute_loss`` in a mixin: the method after the mixin in the MRO of the instance's
-        class (``LMTrainer(LossScaleMixin, LMBase)``: LMBase's), bound to the instance."""
-        if attr.startswith("__"):
-            return ONE_UNKNOWN      # (``super().__init__(...)``, in every module of a model library: not followed)
-        method = self.project.method_after(sup.inst.cls, sup.after, attr)
-        return ONE_UNKNOWN if method is None else self._method_value(method, sup.inst)
-
-    def _method_value(self, method: Function, inst: Inst) -> frozenset:
-        if method.is_property:
-            # ``self.model`` read through ``@property def model(self)``: what it returns
-            return self.returns(method) or ONE_UNKNOWN
-        return frozenset((Bound(method, inst),))
-
-    def instance_attribute(self, inst: Inst, attr: str) -> frozenset:
-        return self._memoized(("iattr", inst.cls.uid, attr), lambda: self._instance_attribute(inst, attr))
-
-    def _instance_attribute(self, inst: Inst, attr: str) -> frozenset:
-        out = set()
-        for klass in self.project.mro(inst.cls):
-            if attr in klass.methods:
-                return self._method_value(klass.methods[attr], inst)
-            for scope, value, path in _class_attrs(self, klass).get(attr, ()):
-                if path == ITEM:
-                    out.add(Bag(_cap(self.expr(value, scope)), True))
-                    continue
-                out |= self.unpack(self.expr(value, scope), path, value, scope)
-        # a dataclass / NamedTuple field: what its builders pass (``State(model=DDP(net))``)
-        out |= self.record_field(inst.cls, attr)
-        # stores from outside: ``trainer.model = DDP(...)``
-        for scope, receiver, value, path in self._outside_stores(attr):
-            if inst in self.expr(receiver, scope):
-                out |= self.unpack(self.expr(value, scope), path, value, scope)
-        return frozenset(out) or ONE_UNKNOWN
-
-    def _outside_stores(self, attr: str) -> list:
-        """``obj.attr = value`` outside the class's own methods, in the parsed modules."""
-        stores = self._plain.setdefault(("stores",), {})
-        done = self._plain.setdefault(("stores-done",), set())
-        modules = self.project.modules()
-        seen = self._plain.get(("stores-seen",), 0)     # modules are only added: the first ones are done
-        self._plain[("stores-seen",)] = len(modules)
-        for module in modules[seen:]:
-            if module.path in done:
-                continue
-            done.add(module.path)
-            if not _OUTSIDE_STORE.search(module.text):
-                continue
-            for scope in [module] + list(module.functions.values()):
-                # the stores first (a scope that makes none adds nothing whatever its text says), then
-                # the text of the function, as the scope's whole ScopeInfo used to be read for them
-                found = scope_attribute_stores(scope).obj_attrs
-                if not found or (isinstance(scope, Function) and
-                                 not _OUTSIDE_STORE.search(module.segment(scope.node))):
-                    continue
-                for receiver, a, value, path in found:
-                    stores.setdefault(a, []).append((scope, receiver, value, path))
-        return stores.get(attr, [])
-
-    def loader_samplers(self, loader: Loader, attr: Optional[str] = None) -> frozenset:
-        """The samplers a DataLoader was given; ``attr``: only what ``loader.sampler`` (or
-        ``loader.batch_sampler``) holds. A loader built with ``batch_sampler=`` has DataLoader's own
-        SequentialSampler as its ``.sampler``: the DistributedSampler inside the batch sampler is not
-        there, and ``loader.sampler.set_epoch`` does not reach it."""
-        call, scope = self.sites.get(loader.site, (None, None))
-        if call is None:
-            return ONE_UNKNOWN
-        given = {kw.arg: kw.value for kw in call.keywords if kw.arg in _LOADER_SAMPLERS}
-        # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...)
-        for position, name in ((3, "sampler"), (4, "batch_sampler")):
-            if len(call.args) > position and not any(isinstance(a, ast.Starred) for a in call.args[:position + 1]):
-                given.setdefault(name, call.args[position])
-        if any(kw.arg is None for kw in call.keywords) and not given:
-            return ONE_UNKNOWN      # DataLoader(dataset, **loader_kwargs)
-        if attr == "batch_sampler" and "batch_sampler" not in given:
-            attr = "sampler"        # DataLoader's own BatchSampler over ``sampler=`` (its ``.sampler``)
-        out = set()
-        for name, node in given.items():
-            if attr is None or name == attr:
-                out |= {v for v in self.expr(node, scope) if isinstance(v, (Sampler, Unknown, Obj))}
-        return frozenset(out) or EMPTY
-
-
-_LOADER_SAMPLERS = ("sampler", "batch_sampler")
-
-
-def _receiver_of(node):
-    """The object expression of an attribute read: ``m`` in ``m.no_sync`` and in ``getattr(m, "no_sync")``."""
-    return node.args[0] if isinstance(node, ast.Call) else node.value
