@@ -1,0 +1,160 @@
+"""Stage 6 of the pipeline (sync dataflow): branches, a part of ``Flow``.
+
+An ``if`` restricts the state to the paths where its test holds (its atoms, conditions.py), walks each
+branch and joins them. Which tests take a place in the condition table decides what the rules can tell
+apart: a test that only says whether the run is distributed, or a branch that only leaves before any
+micro-step, takes none; a test of the model's class (``isinstance(model, FSDP)``) narrows what the
+model is inside the branch.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from typing import Optional
+
+from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.conditions import distributed_switch
+from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.flow_state import Frame, St
+from synccheck.analyzer.project.guards import TRUE, depends_on
+from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.values import Ext, Inst, Obj, Tup, Wrapper
+
+_SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync")
+
+# wrappers whose kind the code decides (a test of their class can tell them apart)
+DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2"))
+
+
+class Branches:
+    """``if`` statements (a part of Flow)."""
+
+    def if_(self, s: ast.If, st: St, fr: Frame):
+        relevant = self.program.relevant_branch(s, fr) and not self._exit_outside_training(s, fr)
+        true, false = self.conds.cond(self._without_switches(s, fr), st, fr, relevant)
+        gate = relevant and self.program.decides_step(s, fr)
+        if gate and fr.gate:
+            # a check inside the branch that steps (``if torch.isfinite(norm): optimizer.step()``) may
+            # skip a step now and then; it is not the accumulation schedule: take the stepping branch
+            if self.program.steps_in(s.body, fr) and not self.program.steps_in(s.orelse, fr):
+                true, false = TRUE, 0
+            elif self.program.steps_in(s.orelse, fr) and not self.program.steps_in(s.body, fr):
+                true, false = 0, TRUE
+        if self.stable_atoms and true and false:
+            # ``if self.accum_count == 1: optim.zero_grad()``: a switch that decides whether a
+            # zero_grad runs at all (SC201 looks at the runs where it is on)
+            text = fr.module.segment(s) or ""
+            if "zero_grad" in text:
+                for k in self.stable_atoms:
+                    if depends_on(true, k) and k not in self.records.switches:
+                        self.records.switches.add(k)
+                        self.atom_info[k] = (self.atom_info.get(k, ((), True))[0], False)
+        if not s.orelse and true and false and distributed_switch(s.test) and _SYNC_TEXT.search(
+                fr.module.segment(s) or ""):
+            true, false = TRUE, 0       # the run with no data-parallel model has nothing to check
+        outer_gate = fr.gate
+        fr.gate = outer_gate or gate
+        body_st = self.restrict(st.copy(), true) if true else None
+        else_st = self.restrict(st.copy(), false) if false else None
+        narrowed = self._narrow(s.test, body_st, else_st, fr)
+        body = self.block(s.body, body_st, fr) if true else None
+        orelse = self.block(s.orelse, else_st, fr) if false else None
+        fr.gate = outer_gate
+        exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
+        out = self.join([body, orelse], (true, false) if exact else None)
+        if narrowed and out is not None:
+            # ``if isinstance(model, DDP): sd = model.module.state_dict()`` says what the model is
+            # inside the branch only: past it, the model is what it was (unless a branch rebinds it)
+            stored = _stored_names(s)
+            for name in narrowed:
+                if name in stored:
+                    continue
+                if name in st.env:
+                    out.env[name] = st.env[name]
+                else:
+                    out.env.pop(name, None)
+        return out
+
+    def _exit_outside_training(self, s: ast.If, fr: Frame) -> bool:
+        """``if dataset_n_tokens < minimum: raise ValueError(...)`` before the training loop, or ``if not
+        isinstance(module, nn.Linear): continue`` in a loop over a model's modules: a branch whose only
+        event is leaving, where no running loop does anything a micro-step does. What it decides is
+        whether the run goes on at all, not which micro-steps step: it takes no atom (the table is
+        small, and the training loop's own tests come after)."""
+        program = self.program
+        if (program.words(s.body, fr.scope) | program.words(s.orelse, fr.scope)) - {"call", "exit"}:
+            return False
+        if fr.no_grad:
+            return True     # under ``torch.no_grad()`` (a feature-extraction pass): no micro-step here
+        if len(self.loop_stack) > len(fr.loops):
+            # a caller's loop is running: a ``return`` may skip what the rest of this function does,
+            # unless it does nothing a micro-step does (a loss function's ``if self.loss_type == ...:
+            # return ...``, where the model's forward is only a call)
+            return isinstance(fr.scope, Function) and not (program.fn_words(fr.scope) - program.CALLS_ONLY)
+        return not any(program.words(ctx.info.node.body, fr.scope) - program.CALLS_ONLY for ctx in fr.loops)
+
+    def _narrow(self, test, body: Optional[St], orelse: Optional[St], fr: Frame) -> None:
+        """``if isinstance(model, FSDP) and i < n - 1: ctx = model.no_sync``: inside the branch the model
+        is an FSDP one, so a DDP model on the other paths is not the one ``no_sync`` names (open_lm);
+        in the ``else`` of a lone test it is anything but. Wrappers whose kind is decided at run time
+        (accelerate's) stay on both sides."""
+        tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+        narrowed = []
+        for c in tests:
+            if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "isinstance" and
+                    len(c.args) == 2 and isinstance(c.args[0], ast.Name)):
+                continue
+            classes = self.values.expr(c.args[1], fr.scope)
+            classes = frozenset(x for v in classes for x in (
+                frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
+            kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
+            if not kinds or "" in kinds:
+                continue
+            name = c.args[0].id
+            sides = ((body, True),) + (((orelse, False),) if len(tests) == 1 else ())
+            for side, holds in sides:
+                if side is None:
+                    continue
+                known = side.env.get(name) or EnvVal(((TRUE, self.values.name(name, fr.scope, c.lineno)),))
+                alts = tuple((g, frozenset(v for v in vals if self._kept_by_type_test(v, kinds, holds)))
+                             for g, vals in known.alts)
+                if alts != known.alts:
+                    side.env[name] = known._replace(alts=alts)
+                    narrowed.append(name)
+        return narrowed
+
+    def _kept_by_type_test(self, v, kinds: set, holds: bool) -> bool:
+        """May ``v`` be on this side of ``isinstance(model, <kinds>)``? A wrapper, or an object the
+        program knows is wrapped in place (``fully_shard(model)``), of a kind decided at build time."""
+        wrappers = (v,) if isinstance(v, Wrapper) else self.program.wrappers(frozenset((v,))) \
+            if isinstance(v, (Obj, Inst)) else ()
+        return not wrappers or not all(w.kind in DECIDED_KINDS and (w.kind in kinds) != holds for w in wrappers)
+
+    def _without_switches(self, s: ast.If, fr: Frame):
+        """``if world_size > 1 and hasattr(model, "no_sync") and i < n - 1: return model.no_sync()``:
+        the conjuncts that only say whether training is distributed hold wherever a sync control can
+        matter; the test that is left is the one that picks the micro-steps."""
+        test = s.test
+        if not (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And)):
+            return test
+        key = ("switchless", id(s))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not s:
+            kept = [v for v in test.values if not (distributed_switch(v) or _asks_for_no_sync(v))]
+            new = test
+            if kept and len(kept) < len(test.values) and any(
+                    _SYNC_TEXT.search(fr.module.segment(b) or "") for b in s.body):
+                new = kept[0] if len(kept) == 1 else ast.copy_location(ast.BoolOp(ast.And(), kept), test)
+            hit = self.memo[key] = (s, new)
+        return hit[1]
+
+
+def _asks_for_no_sync(node) -> bool:
+    """``hasattr(self.model, "no_sync")``: true exactly when the model is a DDP wrapper."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr" and \
+        len(node.args) == 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "no_sync"
+
+
+def _stored_names(s: ast.If) -> set:
+    """Names an ``if`` statement binds in its branches (an assignment, a loop target, a ``with ... as``)."""
+    return {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
