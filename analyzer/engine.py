@@ -371,7 +371,8 @@ def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: 
             if linted and "SC000" in codes and not ignored("SC000", off):
                 findings.extend(_mapped([_parse_error(path, error)], notebook))
             continue
-        project.add(path, text, tree, linted=linted)
+        module = project.add(path, text, tree, linted=linted)
+        module.context = not linted
         if linted:
             parsed_files.append((path, text, notebook, tree, off))
     by_path: dict = {}

@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 _FROM = re.compile(rb"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]*)", re.M)
 _IMPORT = re.compile(rb"^[ \t]*import[ \t]+([^\n#]+)", re.M)
 MAX_CONTEXT_SCAN = 300          # files beside a linted file scanned for importers
+MAX_FAR_IMPORTERS = 8           # importers elsewhere in the project taken as context
 MAX_HOPS = 200                  # project modules read only to connect components
 
 
@@ -257,17 +258,27 @@ class Components:
 
 
 def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:
-    """Files in the folder of ``path`` (of its package root, and of the folder above) that import it:
-    context for a lint of single files."""
+    """Files that import ``path``: context for a lint of single files. Those in the folder of ``path``,
+    its package root and the folder above, then up to MAX_FAR_IMPORTERS in the rest of the project
+    (``scripts/train.py`` importing ``utils.train_utils``), nearest folders first; at most ``limit``
+    files read in each of the two searches."""
     here = os.path.dirname(os.path.abspath(path))
     stem = os.path.splitext(os.path.basename(path))[0]
     if stem == "__init__":
         stem = os.path.basename(here)
+    near = list(dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]))
+    found = _importers_in(near, stem, path, linted, limit)
+    top = _project_top(here)
+    if top is not None:
+        found += _importers_in(_project_folders(top, set(near)), stem, path, linted, limit)[:MAX_FAR_IMPORTERS]
+    return found
+
+
+def _importers_in(directories, stem: str, path: str, linted: set, limit: int) -> list:
     word = stem.encode()
     out = []
     scanned = 0
-    # and the folder above (``train.py`` beside ``utils/``, importing ``utils.data_utils``)
-    for directory in dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]):
+    for directory in directories:
         try:
             names = sorted(os.listdir(directory))
         except OSError:
@@ -294,6 +305,46 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
                     out.append(candidate)
                     break
     return out
+
+
+def _project_top(directory: str):
+    """The project a file belongs to: the folder that holds its topmost package (or the file's own
+    folder), or the nearest folder above that with a project marker (``pyproject.toml``, ``setup.py``,
+    ``.git``: ``src/pkg/engine.py`` beside ``scripts/``), at most two levels up."""
+    from synccheck.analyzer.project.index import project_root
+    top = _package_roots(directory)[0]
+    marked = project_root(top)
+    if marked is not None and marked != top and top.startswith(marked + os.sep) and \
+            top[len(marked) + 1:].count(os.sep) < 2:
+        top = marked
+    # (a file straight in a home folder or a filesystem root is no project)
+    if os.path.dirname(top) == top or top == os.path.expanduser("~"):
+        return None
+    return top
+
+
+_SKIPPED_FOLDERS = frozenset(("node_modules", "site-packages", "dist-packages", "build", "dist", "venv", "env",
+                              "__pycache__", "docs", "doc"))
+
+
+def _project_folders(top: str, done: set, depth: int = 4):
+    """The project's folders, the shallowest first, skipping hidden ones, virtual environments and
+    build output (and ``done``)."""
+    level = [top]
+    for _ in range(depth):
+        following = []
+        for directory in level:
+            if directory not in done:
+                yield directory
+            try:
+                entries = sorted(os.scandir(directory), key=lambda e: e.name)
+            except OSError:
+                continue
+            for e in entries:
+                if e.is_dir(follow_symlinks=False) and not e.name.startswith(".") and \
+                        e.name not in _SKIPPED_FOLDERS and not os.path.exists(os.path.join(e.path, "pyvenv.cfg")):
+                    following.append(e.path)
+        level = following
 
 
 def read_imports(path: str) -> Optional[list]:

@@ -111,6 +111,82 @@ def test_single_file_lint_reads_an_importer_in_the_folder_above(tmp_path):
     check_project(tmp_path, SAMPLER_IN_A_SUBFOLDER, paths=["utils/data_utils.py"])
 
 
+SAMPLER_IMPORTED_BY_A_SIBLING_PACKAGE = {
+    "data_provider/__init__.py": "",
+    "data_provider/data_factory.py": """
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+
+        def data_provider(dataset, batch_size):
+            sampler = DistributedSampler(dataset)  # SC302
+            return DataLoader(dataset, sampler=sampler, batch_size=batch_size)
+    """,
+    "exp/__init__.py": "",
+    "exp/exp_forecast.py": """
+        import torch
+
+        from data_provider.data_factory import data_provider
+
+
+        class ExpForecast:
+            def __init__(self, model, dataset, optimizer, epochs):
+                self.model, self.dataset, self.optimizer, self.epochs = model, dataset, optimizer, epochs
+
+            def train(self):
+                loader = data_provider(self.dataset, 32)
+                for epoch in range(self.epochs):
+                    for x, y in loader:
+                        loss = torch.nn.functional.mse_loss(self.model(x), y)
+                        loss.backward()
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+    """,
+    "run.py": """
+        from exp.exp_forecast import ExpForecast
+
+        ExpForecast(None, None, None, 10).train()
+    """,
+}
+
+
+def test_single_file_lint_reads_an_importer_in_a_sibling_package(tmp_path):
+    # Large-Time-Series-Model: the sampler is built in data_provider/, the epoch loop is in exp/
+    check_project(tmp_path, SAMPLER_IMPORTED_BY_A_SIBLING_PACKAGE, paths=["data_provider/data_factory.py"])
+
+
+HELPERS_CALLED_FROM_SCRIPTS = {
+    "utils/__init__.py": "",
+    "utils/train_utils.py": """
+        def train_one_epoch(config, accelerator, model, loss_module, optimizer, loader):
+            for batch in loader:
+                with accelerator.accumulate([model, loss_module]):
+                    loss = loss_module(model(batch))
+                    accelerator.backward(loss)  # SC101
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """,
+    "scripts/train_tokenizer.py": """
+        from accelerate import Accelerator
+
+        from utils.train_utils import train_one_epoch
+
+
+        def main(config, model, loss_module, optimizer, loader):
+            accelerator = Accelerator(gradient_accumulation_steps=config.accum)
+            model, loss_module, optimizer = accelerator.prepare(model, loss_module, optimizer)
+            for epoch in range(config.epochs):
+                train_one_epoch(config, accelerator, model, loss_module, optimizer, loader)
+    """,
+}
+
+
+def test_single_file_lint_follows_a_script_in_another_folder_into_the_linted_helpers(tmp_path):
+    # 1d-tokenizer: scripts/train_titok.py builds the Accelerator (with accumulation) and prepares the
+    # models; utils/train_utils.py, linted alone, holds the loop and its ``accumulate([list])`` bug
+    check_project(tmp_path, HELPERS_CALLED_FROM_SCRIPTS, paths=["utils/train_utils.py"])
+
+
 def test_mae_with_no_sync_is_clean(tmp_path):
     files = dict(MAE)
     files["engine_pretrain.py"] = MAE["engine_pretrain.py"].replace("""                loss_scaler(loss, optimizer, parameters=model.parameters(),  # SC101

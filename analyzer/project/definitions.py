@@ -116,6 +116,9 @@ class Module:
         self.text = text
         self.linted = linted
         self.on_demand = False       # parsed only because the analysis needed it (index.Project.importers)
+        # a file that imports a linted one, read as context for a lint of single files (its training
+        # loop may run the linted file's functions: their findings are the linted file's)
+        self.context = False
         self._lines = None
         self.info = None             # what its top level binds (values.py fills it on demand)
         self.imports: dict = {}      # local name -> (module, attribute or None, level)

@@ -101,8 +101,14 @@ class Project(Resolution):
             stem = t[:-len("/__init__.py")] if t.endswith("/__init__.py") else t[:-3]
             parts = stem.split(os.sep)
             for i in range(max(1, len(parts) - 12), len(parts)):
-                for a in by_name.get(".".join(parts[i:]), ()):
-                    if a not in candidates and t in module_paths(a, 0, ".".join(parts[i:]), self.roots):
+                name = ".".join(parts[i:])
+                for a in by_name.get(name, ()):
+                    # (or the one file of the lint set with that path tail, as resolution falls back
+                    # to: ``scripts/train.py`` importing ``utils.train_utils`` from the repository's top)
+                    if a in candidates:
+                        continue
+                    paths = module_paths(a, 0, name, self.roots)
+                    if t in paths or (self._lint_set_suffix(name) == t and not any(map(os.path.isfile, paths))):
                         candidates.add(a)
         chosen = []
         for apath in [a for a in self._catalog_imports if a in candidates and a in self.catalog]:

@@ -117,9 +117,10 @@ class Program(WrappedModels):
                 return out
             for module in fresh:
                 seen.add(module.path)
-                if not module.linted or module.on_demand:
+                if not (module.linted or module.context) or module.on_demand:
                     # (a file parsed on demand, for a caller or a subclass, has none of a training
-                    # loop's words: gate.eager said it cannot hold a finding)
+                    # loop's words: gate.eager said it cannot hold a finding; a context file's loop
+                    # is a root, its findings in the linted files are reported)
                     continue
                 for fn in list(module.functions.values()):
                     # words first: most functions with a loop say nothing a training loop says
