@@ -134,8 +134,11 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         if fabric:
             return forward(flow, node, fabric, args, kws, st, fr)
     # ``model.module.train_step(batch, criterion)`` (coqui's Trainer): the module's own training step
-    # computes the loss without the wrapper's forward, as ``model.module(x)`` does
-    inner = _inner_wrappers(recv.values) if recv is not None and _FORWARD_METHOD.search(func.attr) else None
+    # computes the loss without the wrapper's forward, as ``model.module(x)`` does; so does a call of
+    # one of its submodules or of a method that runs them (SAM-Med3D's ``model.module.image_encoder(x)``,
+    # ``net.mask_decoder(...)`` with ``net = model.module``), but not a module's housekeeping
+    inner = _inner_wrappers(recv.values) if recv is not None and (
+        _FORWARD_METHOD.search(func.attr) or not _NOT_A_FORWARD.search(func.attr)) else None
     if inner and not _project_method(flow, recv.values, func.attr):
         return inner_forward(flow, node, inner, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
@@ -339,6 +342,16 @@ _LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
 # (not a hook or an optimizer's: ``model.on_before_optimizer_step(optimizer)``, ``scheduler_step``)
 _FORWARD_METHOD = re.compile(r"^(?!on_|before_|after_)(?:forward\w*|train_step|training_step|compute_loss|"
                              r"(?!\w*(?:optimizer|optim|scheduler|lr|ema|zero_grad)_step$)\w*_step)$")
+
+
+# methods of a module that do not run its forward: nn.Module's own (``parameters``, ``state_dict``,
+# ``eval``, ``to``), transformers' and peft's (``save_pretrained``, ``resize_token_embeddings``,
+# ``generate``), hooks, and any other step (an optimizer's or a scheduler's)
+_NOT_A_FORWARD = re.compile(
+    r"^(?:_|on_|before_|after_|get_|set_|save|load|register|add_|init|reset|freeze|unfreeze|print|push_|tie_|"
+    r"resize_|enable_|disable_|prepare|update|named_|gradient_checkpointing|num_|merge_|zero_grad|"
+    r"(?:to|cuda|cpu|half|float|double|bfloat16|type|train|eval|apply|requires_grad_|parameters|buffers|"
+    r"children|modules|state_dict|extra_repr|generate|share_memory|no_sync|module)$|\w*step$)")
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
