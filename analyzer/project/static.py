@@ -108,6 +108,8 @@ def samplers_without_set_epoch(program) -> list:
     for scope, call in values.calls("set_epoch"):
         if not isinstance(call.func, ast.Attribute):
             continue
+        if _DATASET.search(_last_name(call.func.value)) and "sampler" not in _last_name(call.func.value).lower():
+            continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
             once |= {v for v in receiver if isinstance(v, Sampler)}
@@ -177,6 +179,14 @@ def _once_before_the_loop(scope, call) -> bool:
     if not loops:
         return False
     return not any(loop.lineno <= call.lineno <= (loop.end_lineno or loop.lineno) for loop in loops)
+
+
+_DATASET = re.compile(r"dataset|^ds$|_ds$", re.IGNORECASE)
+
+
+def _last_name(node) -> str:
+    """``train_loader.dataset`` -> ``dataset``; ``train_set`` -> ``train_set``."""
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
 
 
 _SET_EPOCH_BY_NAME = re.compile(r"getattr\([^)\n]*[\"']set_epoch[\"']")
