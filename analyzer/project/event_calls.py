@@ -35,6 +35,13 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         factory = FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node),
                               ast.unparse(node))
         return EnvVal(((TRUE, frozenset((factory,))),), recv.prov, recv.scaled)
+    if isinstance(func, ast.Name) and func.id == "setattr" and len(node.args) == 3 and \
+            isinstance(node.args[1], ast.Constant) and node.args[1].value == "require_backward_grad_sync":
+        # ``setattr(net, "require_backward_grad_sync", sync)``: DDP's flag, as an assignment writes it
+        recv = expr(flow, node.args[0], st, fr)
+        value = expr(flow, node.args[2], st, fr)
+        flag(flow, node, flow.program.wrappers(recv.values), _cond_of(flow, value, node.args[2], st, fr), st, fr)
+        return _val(ONE_UNKNOWN)
     if isinstance(func, ast.Name) and func.id == "super" and isinstance(fr.scope, Function) and \
             fr.scope.cls is not None and fr.scope.params and len(node.args) in (0, 2):
         # ``super()`` on the instance this method runs on: its class's MRO decides what comes next
@@ -384,8 +391,9 @@ def _call_lambda(flow, lam: ast.Lambda, args, kws, st, fr) -> EnvVal:
 
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
-from synccheck.analyzer.project.events import (FlowCtx, FlowFactory, FlowHelper, FlowPartial, _property_test, _prov,
-                                               _val, expr)
+from synccheck.analyzer.project.events import (FlowCtx, FlowFactory, FlowHelper, FlowPartial, _cond_of, _property_test,
+                                               _prov, _val, expr)
 from synccheck.analyzer.project.inlining import _held_models, inline
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
-from synccheck.analyzer.project.micro_step import backward, forward, inner_forward, step as micro_step, zero_grad
+from synccheck.analyzer.project.micro_step import (backward, flag, forward, inner_forward, step as micro_step,
+                                                   zero_grad)

@@ -222,6 +222,9 @@ class Program(WrappedModels):
                         out.add(name)
                     elif name in WRAP_CALLS:
                         out.add("wrap")
+                    elif name == "setattr" and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) and \
+                            node.args[1].value == "require_backward_grad_sync":
+                        out.add("require_backward_grad_sync")
                     targets = self.syntactic_targets(node, scope)
                     if targets is None:
                         out.add("call")          # a callable held in a variable or attribute: a model?
