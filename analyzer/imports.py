@@ -284,8 +284,8 @@ def _importers_in(directories, stem: str, path: str, linted: set, limit: int) ->
         except OSError:
             continue
         for name in names:
-            if not name.endswith(".py"):
-                continue
+            if not name.endswith(".py") or _TEST_FILE.match(name):
+                continue            # (a test builds toy objects: not how the training runs)
             candidate = os.path.join(directory, name)
             if candidate in linted or candidate == os.path.abspath(path):
                 continue
@@ -324,7 +324,8 @@ def _project_top(directory: str):
 
 
 _SKIPPED_FOLDERS = frozenset(("node_modules", "site-packages", "dist-packages", "build", "dist", "venv", "env",
-                              "__pycache__", "docs", "doc"))
+                              "__pycache__", "docs", "doc", "tests", "test", "unittests", "testing"))
+_TEST_FILE = re.compile(r"test_\w*\.py$|\w*_test\.py$|conftest\.py$|setup\.py$")
 
 
 def _project_folders(top: str, done: set, depth: int = 4):

@@ -1,5 +1,6 @@
 """Whole-program analysis: the training loop spread over functions, classes and files, as real code
 spreads it. Each case is a small project written to a folder and linted as a user would lint it."""
+import os
 import textwrap
 
 import pytest
@@ -959,3 +960,17 @@ def test_import_resolved_by_a_unique_path_tail_in_the_lint_set(tmp_path):
         "vendor/other/egs.py": "",
     }
     check_project(tmp_path, files)
+
+
+def test_single_file_context_skips_tests_and_packaging(tmp_path):
+    # a test builds toy objects (speechbrain's tests/unittests/test_core.py makes a Brain of plain
+    # modules): read as context, it told the analysis the model was never DDP, and core.py's SC102 was lost
+    from synccheck.analyzer.imports import importers_beside
+    files = dict(HELPERS_CALLED_FROM_SCRIPTS)
+    uses = "from utils.train_utils import train_one_epoch\n"
+    files["tests/test_train_utils.py"] = uses
+    files["scripts/test_helpers.py"] = uses
+    files["setup.py"] = uses
+    write_project(tmp_path, files)
+    found = importers_beside(str(tmp_path / "utils" / "train_utils.py"), set())
+    assert sorted(os.path.relpath(p, tmp_path) for p in found) == [os.path.join("scripts", "train_tokenizer.py")]
