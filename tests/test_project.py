@@ -974,3 +974,55 @@ def test_single_file_context_skips_tests_and_packaging(tmp_path):
     write_project(tmp_path, files)
     found = importers_beside(str(tmp_path / "utils" / "train_utils.py"), set())
     assert sorted(os.path.relpath(p, tmp_path) for p in found) == [os.path.join("scripts", "train_tokenizer.py")]
+
+
+SHARDED_THROUGH_A_REGISTRY = {
+    "titan/__init__.py": "",
+    "titan/parallelisms/__init__.py": """
+        from titan.parallelisms.parallelize_llama import parallelize_llama
+
+        models_parallelize_fns = {
+            "llama2": parallelize_llama,
+            "llama3": parallelize_llama,
+        }
+    """,
+    "titan/parallelisms/parallelize_llama.py": """
+        from torch.distributed._composable.fsdp import fully_shard
+
+
+        def parallelize_llama(model, world_mesh, job_config):
+            for layer_id, block in model.layers.items():
+                fully_shard(block, mesh=world_mesh)
+            fully_shard(model, mesh=world_mesh)
+            return model
+    """,
+    "train.py": """
+        import torch
+
+        from titan.parallelisms import models_parallelize_fns
+
+
+        def main(job_config, model_cls, world_mesh, data_iterator, loss_fn):
+            model = model_cls.from_model_args(job_config.model)
+            models_parallelize_fns[job_config.model.name](model, world_mesh, job_config)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+            for step in range(job_config.training.steps):
+                optimizer.zero_grad()
+                for microbatch in range(job_config.training.grad_accumulation_steps):
+                    input_ids, labels = next(data_iterator)
+                    loss = loss_fn(model(input_ids), labels) / job_config.training.grad_accumulation_steps
+                    loss.backward()  # SC101
+                optimizer.step()
+    """,
+}
+
+
+def test_a_model_sharded_in_place_through_a_registry_of_helpers(tmp_path):
+    # torchtitan-style ``models_parallelize_fns[name](model, ...)`` (Adam-mini's llama example): the
+    # helper kept in a dict shards the model in place; the inner loop accumulates with sync on
+    check_project(tmp_path, SHARDED_THROUGH_A_REGISTRY)
+
+
+def test_a_model_sharded_in_place_by_a_helper_of_a_file_not_linted(tmp_path):
+    # a lint of train.py alone: the helpers it calls into are parsed to see the in-place wrapping
+    check_project(tmp_path, SHARDED_THROUGH_A_REGISTRY, paths=["train.py"])

@@ -13,6 +13,7 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Class, Function, qualified_name
+from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import _argument, _calls_named, call_lines, called_name, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
                                                     Framework, Inst, Obj, Wrapper, site_of)
@@ -24,6 +25,39 @@ def _through_local(call, scope) -> bool:
         return False
     name = func.value.id
     return name in scope.params or name in (scope.locals or ())
+
+
+def _registries(module) -> dict:
+    """function name -> the module-level dicts of this module that hold it as a value."""
+    found = module.derived.get("registries")
+    if found is None:
+        found = module.derived["registries"] = {}
+        for stmt in module.tree.body:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and isinstance(stmt.value, ast.Dict):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        for v in stmt.value.values:
+                            if isinstance(v, ast.Name) and target.id not in found.get(v.id, ()):
+                                found.setdefault(v.id, []).append(target.id)
+    return found
+
+
+def _subscript_calls(module, registry: str) -> list:
+    """(scope, call) for the calls ``registry[key](...)`` (or ``mod.registry[key](...)``) in a module."""
+    out = []
+    for scope in [module] + list(module.functions.values()):
+        body = module.tree.body if scope is module else scope.node.body
+        for stmt in body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue            # (a function is a scope of its own)
+            for c in walk_no_defs(stmt):
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript):
+                    base = c.func.value
+                    if (isinstance(base, ast.Name) and base.id == registry) or (
+                            isinstance(base, ast.Attribute) and base.attr == registry):
+                        out.append((scope, c))
+    return out
 
 
 class ParameterValues:
@@ -172,6 +206,7 @@ class ParameterValues:
         # the callers are in its own module and in the modules that import it
         self.project.importers(fn.module, tuple(names))
         candidates = [c for n in names for c in self.calls(n)]
+
         if fn.cls is not None and fn.node.name == "__call__":
             candidates = []        # called through an instance under any name: no parameter values from calls
         out = []
@@ -192,8 +227,35 @@ class ParameterValues:
                     if shift is not None:
                         out.append((scope, call, shift))
                         break
+        if fn.cls is None:
+            # a function kept in a module's registry (``PARALLELIZE = {"llama": parallelize_llama}``) is
+            # called through it: ``PARALLELIZE[cfg.model](model, mesh)``
+            out.extend((scope, call, 0) for scope, call in self._registry_calls(fn)[:MAX_CALLERS])
         self._plain[key] = tuple(out)
         return self._plain[key]
+
+    def _registry_calls(self, fn: Function) -> list:
+        index = self._plain.get(("registries",))
+        modules = self.project.modules()
+        if index is None or index[0] != len(modules):
+            # function name -> the modules whose registries hold a function of that name (modules are
+            # only added: the ones indexed before are not read again)
+            table = dict(index[1]) if index is not None else {}
+            for module in modules[index[0] if index is not None else 0:]:
+                if "{" in module.text:
+                    for name in _registries(module):
+                        table[name] = table.get(name, ()) + (module,)
+            index = self._plain[("registries",)] = (len(modules), table)
+        out = []
+        for module in index[1].get(fn.node.name, ()):
+            for registry in _registries(module).get(fn.node.name, ()):
+                if self.project.resolve(module, fn.node.name) is not fn:
+                    continue
+                self.project.importers(module, (registry,))
+                for other in self.project.modules():
+                    if registry + "[" in other.text:
+                        out.extend(_subscript_calls(other, registry))
+        return out
 
     def _binds(self, v, fn: Function) -> Optional[int]:
         if isinstance(v, Func) and v.fn is fn:

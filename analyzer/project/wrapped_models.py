@@ -11,11 +11,16 @@ import ast
 import re
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.definitions import Function, ModuleRef
 from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
 from synccheck.analyzer.project.values import Framework, Inner, Inst, LocalSGD, Obj, Wrapper
 
 _UNCALLED_NO_SYNC = re.compile(r"\.no_sync\b(?!\s*\()")
+_CALLED_OR_INDEXED = re.compile(r"\b([A-Za-z_]\w*)\s*[(\[]")
+_IN_PLACE_TEXT = re.compile(r"\b(?:fully_shard|replicate)\b")
+# a training file that builds its wrapper itself needs no helper's in-place wrapping
+_WRAPS_ITSELF = re.compile(r"DistributedDataParallel|FullyShardedDataParallel|\bfully_shard\b|\breplicate\(|"
+                           r"\.prepare\(|\.setup\(|\.initialize\(|\bDDP\(|\bFSDP\(")
 
 
 class WrappedModels:
@@ -98,6 +103,7 @@ class WrappedModels:
             names = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "replicate", "prepare",
                      "prepare_model", "setup", "setup_module", "initialize"}
             in_place = {"fully_shard", "replicate"}
+            self._load_wrapping_helpers()
             for module in self.project.modules():
                 for local, (mod, attr, _) in module.imports.items():
                     if attr in ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "replicate"):
@@ -115,6 +121,31 @@ class WrappedModels:
                                 if isinstance(inner, (Obj, Inst)):
                                     self._wrapping.setdefault(inner, set()).add(w)
         return self._wrapping
+
+    def _load_wrapping_helpers(self) -> None:
+        """Parse the project modules a training file calls into (two imports deep) whose text shards or
+        replicates a model in place: ``parallelize_llama(model, mesh)``, or a registry of such helpers
+        (``PARALLELIZE[name](model, mesh)``), imported from a file a lint of one file does not name.
+        The wrapping they do is seen only in the modules parsed."""
+        frontier = [m for m in self.project.modules() if (m.linted or m.context) and "backward(" in m.text
+                    and not _WRAPS_ITSELF.search(m.text)]
+        seen = {m.path for m in frontier}
+        for depth in range(2):
+            following = []
+            for module in frontier:
+                # a helper the module calls (or indexes, a registry); deeper, any name it uses
+                called = set(_CALLED_OR_INDEXED.findall(module.text)) if depth == 0 else None
+                for local in module.imports:
+                    if not (local in called if called is not None else module.text.count(local) > 1):
+                        continue
+                    sym = self.project.resolve(module, local)
+                    target = getattr(sym, "module", None)
+                    if isinstance(sym, ModuleRef) or target is None or target.path in seen:
+                        continue
+                    seen.add(target.path)
+                    if _IN_PLACE_TEXT.search(target.text) or depth == 0:
+                        following.append(target)
+            frontier = following
 
     def models_of(self, owners) -> frozenset:
         """The wrapper keys of an optimizer's owners (a wrapper, its ``.module``, what it wraps)."""
