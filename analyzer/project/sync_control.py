@@ -13,6 +13,7 @@ import ast
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.state import Control, EnvVal
+from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.value_helpers import _argument
 from synccheck.analyzer.project.values import Ext, Inst, Obj, Unknown, site_of
@@ -219,9 +220,11 @@ def _is_no_grad_call(flow, item, fr) -> bool:
 
 
 def _opaque_context(flow, node, vals, fr) -> bool:
-    """A context we cannot see into, in a project that turns sync off somewhere: it may hide a no_sync
-    (we then give the micro-step no verdict rather than a wrong one)."""
-    if not flow.program.mentions_no_sync:
+    """A context we cannot see into, in a project that turns sync off somewhere, or made from the
+    data-parallel model by a library we do not read (``for ctx in model_forward_contexts(accelerator,
+    model, n): with ctx():``): it may hide a no_sync (we then give the micro-step no verdict rather
+    than a wrong one)."""
+    if not flow.program.mentions_no_sync and not _made_from_the_model(flow, node, fr):
         return False
     if isinstance(node, ast.Name):
         # ``ctx = nullcontext() if device_type == "cpu" else torch.cuda.amp.autocast()`` made once,
@@ -232,6 +235,21 @@ def _opaque_context(flow, node, vals, fr) -> bool:
     if _harmless_call(flow, node, fr.scope):
         return False
     return any(isinstance(v, (Obj, Unknown, Ext)) for v in vals)
+
+
+def _made_from_the_model(flow, node, fr) -> bool:
+    """Is the context made by a call handed a data-parallel model: ``with make_ctx(accelerator, model):``,
+    or ``ctx()`` where ``ctx`` comes from one (``for ctx in model_forward_contexts(accelerator, model,
+    n):``)?"""
+    calls = [node] if isinstance(node, ast.Call) else []
+    func = node.func if isinstance(node, ast.Call) else node
+    if isinstance(func, ast.Name):
+        calls += [call for call, _ in _bound_calls(flow, func.id, fr)]
+        if isinstance(fr.scope, Function):
+            calls += [loop.iter for loop in walk(fr.scope.node) if isinstance(loop, (ast.For, ast.AsyncFor)) and
+                      isinstance(loop.target, ast.Name) and loop.target.id == func.id and isinstance(loop.iter, ast.Call)]
+    return any(flow.program.wrappers(flow.values.expr(a, fr.scope))
+               for call in calls for a in list(call.args) + [k.value for k in call.keywords])
 
 
 def _harmless_call(flow, node, scope) -> bool:
