@@ -15,7 +15,7 @@ from typing import Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, qualified_name
 from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _named, _parameter_sources,
-                                                      _single_device, _strings, _text, _truthy)
+                                                      _single_device, _strings, _text, _truthy, called_name)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
@@ -235,6 +235,10 @@ class CallValues:
 
     def _prepare(self, call, attr: str, scope, module) -> frozenset:
         items = []
+        # ``accelerator.prepare(model, DummyOptim(...))``: a placeholder for the optimizer a DeepSpeed
+        # config makes, so this Accelerator runs DeepSpeed; its engine decides the accumulation
+        # boundary and reduces the gradients there (gpt4all's train.py)
+        kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) else "accelerate"
         for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
             site = site_of(module, call, i)
@@ -250,10 +254,18 @@ class CallValues:
                 items.append(ONE_UNKNOWN)
             else:
                 self.sites[site] = (arg, scope)
-                items.append(frozenset((Wrapper("accelerate", site),)))
+                items.append(frozenset((Wrapper(kind, site),)))
         if len(items) == 1:
             return items[0]
         return frozenset((Tup(tuple(items)),))
+
+    def _dummy_optimizer(self, arg, prepare, scope) -> bool:
+        """Is ``arg`` accelerate's ``DummyOptim(...)``, or a name bound only to one (and to what
+        ``prepare`` returns)?"""
+        made = [arg] if not isinstance(arg, ast.Name) else [
+            v for v, _ in self.bound_expressions(arg.id, scope) if v is not prepare]
+        return bool(made) and all(isinstance(v, ast.Call) and called_name(v) in ("DummyOptim", "DummyScheduler")
+                                  for v in made)
 
     def _spread_args(self, call, scope) -> list:
         """The positional arguments, with ``*parts`` replaced by the elements of the list literal
