@@ -19,6 +19,7 @@ from synccheck.analyzer.project.call_kinds import (FABRIC_REDIRECTED, clears_gra
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Super, Unknown, Wrapper, site_of)
 
@@ -144,9 +145,9 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # computes the loss without the wrapper's forward, as ``model.module(x)`` does; so does a call of
     # one of its submodules or of a method that runs them (SAM-Med3D's ``model.module.image_encoder(x)``,
     # ``net.mask_decoder(...)`` with ``net = model.module``), but not a module's housekeeping
-    inner = _inner_wrappers(recv.values) if recv is not None and (
-        _FORWARD_METHOD.search(func.attr) or not _NOT_A_FORWARD.search(func.attr)) else None
-    if inner and not _project_method(flow, recv.values, func.attr):
+    inner = _inner_wrappers(recv.values) if recv is not None else None
+    if inner and (_FORWARD_METHOD.search(func.attr) or _submodule(flow, inner, func.attr)) and \
+            not _project_method(flow, recv.values, func.attr):
         return inner_forward(flow, node, inner, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
@@ -351,14 +352,28 @@ _FORWARD_METHOD = re.compile(r"^(?!on_|before_|after_)(?:forward\w*|train_step|t
                              r"(?!\w*(?:optimizer|optim|scheduler|lr|ema|zero_grad)_step$)\w*_step)$")
 
 
-# methods of a module that do not run its forward: nn.Module's own (``parameters``, ``state_dict``,
-# ``eval``, ``to``), transformers' and peft's (``save_pretrained``, ``resize_token_embeddings``,
-# ``generate``), hooks, and any other step (an optimizer's or a scheduler's)
-_NOT_A_FORWARD = re.compile(
-    r"^(?:_|on_|before_|after_|get_|set_|save|load|register|add_|init|reset|freeze|unfreeze|print|push_|tie_|"
-    r"resize_|enable_|disable_|prepare|update|named_|gradient_checkpointing|num_|merge_|zero_grad|"
-    r"(?:to|cuda|cpu|half|float|double|bfloat16|type|train|eval|apply|requires_grad_|parameters|buffers|"
-    r"children|modules|state_dict|extra_repr|generate|share_memory|no_sync|module)$|\w*step$)")
+# what a module's submodules are called, when its class is not one of the project's (SAM's
+# ``image_encoder``, ``prompt_encoder``, ``mask_decoder``; ``backbone``, ``lm_head``, ``text_model``)
+_SUBMODULE_NAME = re.compile(r"(?:^|_)(?:encoders?|decoders?|heads?|backbone|neck|trunk|embeddings?|embedder|blocks?|"
+                             r"layers?|transformer|unet|vae|projector|proj|text_model|vision_model|model|net)(?:$|_)")
+
+
+def _submodule(flow, wrappers: frozenset, attr: str) -> bool:
+    """Is ``attr`` of the module inside these wrappers one of its submodules: an attribute a class of
+    it stores (``self.encoder = Encoder()``), not a method; or, for a class we cannot read, a name
+    submodules have? (``model.module.visualize(...)``, ``model_without_ddp.flops()`` are not.)"""
+    known = False
+    for w in wrappers:
+        for v in flow.values.wrapped_by(w):
+            if not isinstance(v, Inst):
+                continue
+            known = True
+            for klass in flow.project.mro(v.cls):
+                if attr in klass.methods:
+                    return False
+                if attr in _class_attrs(flow.values, klass):
+                    return True
+    return not known and bool(_SUBMODULE_NAME.search(attr))
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
