@@ -9,6 +9,7 @@ is seen whole. Findings are kept only where their node is: in a linted file.
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -293,9 +294,12 @@ class Program(WrappedModels):
                 sym = self.project.resolve_expr(module, base)
                 if sym is not None and not isinstance(sym, GlobalRef):
                     return _callables(self.project, self.project.attribute(sym, func.attr))
-            if any(_names_model(a) for a in list(call.args) + [k.value for k in call.keywords]):
+            if any(_names_model(a) for a in list(call.args) + [k.value for k in call.keywords]) or (
+                    _STEPPING_METHOD.match(func.attr) and isinstance(base, ast.Name) and
+                    isinstance(scope, Function) and base.id in scope.params):
                 # ``self.task.train_step(sample, self.model, ...)``: an object we cannot trace, handed
-                # the model (see duck.py)
+                # the model (see duck.py); or a parameter's method that steps
+                # (``accelerator.take_optimizer_step()`` on a project's wrapper of the Accelerator)
                 duck = self.duck_method(func.attr, scope, call)
                 return [duck.fn] if duck is not None else []
             return []
@@ -387,6 +391,10 @@ class Program(WrappedModels):
             found = duck_method(self.project, name, caller_cls, call)
             self._ducks[key] = Bound(found[0], Inst(found[1])) if found is not None else None
         return self._ducks[key]
+
+
+# a method whose name says it steps an optimizer, other than the optimizer's (or a scheduler's) own
+_STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim\w*step|\w*step_optim")
 
 
 def _passes_static_graph(tree) -> bool:
