@@ -1026,3 +1026,71 @@ def test_a_model_sharded_in_place_through_a_registry_of_helpers(tmp_path):
 def test_a_model_sharded_in_place_by_a_helper_of_a_file_not_linted(tmp_path):
     # a lint of train.py alone: the helpers it calls into are parsed to see the in-place wrapping
     check_project(tmp_path, SHARDED_THROUGH_A_REGISTRY, paths=["train.py"])
+
+
+ENGINE_STEPPED_BY_A_SCRIPT = {
+    "engine.py": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+
+        class Engine(torch.nn.Module):
+            def __init__(self, model, batch_size, microbatch_size):
+                super().__init__()
+                if torch.distributed.is_initialized():
+                    self.model = DistributedDataParallel(model)
+                else:
+                    self.model = model
+                self.current_batch_size = batch_size
+                self.microbatch_size = microbatch_size
+                self.accumulation_steps_expected = batch_size // microbatch_size
+                self.accumulated_samples = 0
+                self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+            def step(self, batch):
+                loss = self.forward(**batch)["loss"]
+                self.backward(loss)  # FILE-MODE
+                self.optimizer_step()
+                return loss.detach()
+
+            def forward(self, *inputs, **kwargs):
+                return self.model(*inputs, **kwargs)
+
+            def backward(self, loss):
+                self.accumulated_samples += self.microbatch_size
+                return (loss / self.accumulation_steps_expected).backward()
+
+            def optimizer_step(self):
+                if self.accumulated_samples >= self.current_batch_size:
+                    self.accumulated_samples = 0
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+    """,
+    "pretrain.py": """
+        import torch
+
+        from engine import Engine
+
+
+        def main(model, dataloader):
+            torch.distributed.init_process_group("nccl")
+            model_engine = Engine(model, batch_size=1536, microbatch_size=128)
+            for step, batch in enumerate(dataloader):
+                loss = model_engine.step(batch)  # DIR-MODE
+    """,
+}
+
+
+def test_an_engine_stepped_by_a_script_it_does_not_name(tmp_path):
+    # cramming (before 38d65b6): the engine runs forward and backward on every step(batch) and steps
+    # the optimizer on its own sample counter; pretrain.py, which names none of our words but
+    # ``model_engine.step(``, runs the loop. The whole folder: reported at the loop's call
+    files = {k: v.replace("# DIR-MODE", "# SC101").replace("  # FILE-MODE", "") for k, v in ENGINE_STEPPED_BY_A_SCRIPT.items()}
+    check_project(tmp_path, files)
+
+
+def test_an_engine_linted_alone_is_reported_in_its_own_file(tmp_path):
+    # a lint of engine.py alone reads pretrain.py as context: the finding is engine.py's, at the call
+    # nearest to the context file's loop
+    files = {k: v.replace("# FILE-MODE", "# SC101").replace("  # DIR-MODE", "") for k, v in ENGINE_STEPPED_BY_A_SCRIPT.items()}
+    check_project(tmp_path, files, paths=["engine.py"])

@@ -309,7 +309,15 @@ class Flow(Branches, Loops):
         from synccheck.analyzer.project.values import site_of
         if self.loop_stack:
             loop_module, depth = self.loop_owner.get(self.loop_stack[-1], (module, len(self.call_stack)))
-            if module is not loop_module:
+            if module is not loop_module and not loop_module.linted:
+                # the loop is a context file's (a lint of single files): the call nearest to it in a
+                # linted file, where the micro-step's code is (``engine.step(batch)`` run by a script)
+                for caller_module, call in self.call_stack[depth:]:
+                    if caller_module.linted:
+                        site = site_of(caller_module, call)
+                        self.records.node(site, caller_module, call)
+                        return site
+            elif module is not loop_module:
                 for caller_module, call in reversed(self.call_stack[depth:]):
                     if caller_module is loop_module:
                         site = site_of(caller_module, call)
