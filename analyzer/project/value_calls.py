@@ -14,12 +14,42 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, qualified_name
+from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _named, _parameter_sources,
                                                       _single_device, _strings, _text, _truthy, called_name)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
                                                     site_of)
+
+
+def _frozen(arg, scope) -> bool:
+    """Does the scope that prepares ``arg`` (a name) freeze every parameter of it first (``for p in
+    head.parameters(): p.requires_grad = False``, ``head.requires_grad_(False)``), and unfreeze none?"""
+    if not isinstance(arg, ast.Name):
+        return False
+    body = scope.node.body if isinstance(scope, Function) else scope.tree.body
+    frozen = False
+    for stmt in body:
+        for node in walk_no_defs(stmt):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "requires_grad_":
+                off = bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value is False
+                if not off:
+                    return False            # (something is unfrozen)
+                frozen = frozen or (isinstance(node.func.value, ast.Name) and node.func.value.id == arg.id)
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "requires_grad"
+                                                      for t in node.targets):
+                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    return False
+            elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Call) and \
+                    isinstance(node.iter.func, ast.Attribute) and node.iter.func.attr == "parameters" and \
+                    isinstance(node.iter.func.value, ast.Name) and node.iter.func.value.id == arg.id and \
+                    isinstance(node.target, ast.Name) and any(
+                        isinstance(t, ast.Attribute) and t.attr == "requires_grad" and isinstance(t.value, ast.Name)
+                        and t.value.id == node.target.id for b in node.body if isinstance(b, ast.Assign)
+                        for t in b.targets):
+                frozen = True
+    return frozen
 
 
 class CallValues:
@@ -254,7 +284,9 @@ class CallValues:
                 items.append(ONE_UNKNOWN)
             else:
                 self.sites[site] = (arg, scope)
-                items.append(frozenset((Wrapper(kind, site),)))
+                # accelerate wraps only a module with a trainable parameter: a frozen one (a teacher,
+                # a fixed head) is returned as it was, with no gradient to all-reduce
+                items.append(frozenset((Wrapper(kind, site, single=_frozen(arg, scope)),)))
         if len(items) == 1:
             return items[0]
         return frozenset((Tup(tuple(items)),))
