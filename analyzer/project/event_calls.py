@@ -243,7 +243,13 @@ def _opaque_object(callee) -> bool:
 
 
 def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:
-    """``model(x)`` where ``model`` is a wrapper on some paths only: a forward on those paths."""
+    """``model(x)`` where ``model`` is a wrapper on some paths only: a forward on those paths. When the
+    paths overlap (``model = DDP(model) if args.ddp else model`` under a test the table does not
+    model: both alternatives hold everywhere), the values are one may-set: splitting the state would
+    make a path where the model is plain and inherits the wrapper's earlier micro-steps."""
+    formulas = [f for f, _ in callee.alts]
+    if any(formulas[i] & formulas[j] for i in range(len(formulas)) for j in range(i + 1, len(formulas))):
+        return forward(flow, node, flow.program.wrappers(callee.values), args, kws, st, fr)
     parts = []
     result = None
     for formula, vals in callee.alts:
