@@ -379,7 +379,13 @@ def _submodule(flow, wrappers: frozenset, attr: str) -> bool:
                     return False
                 if attr in _class_attrs(flow.values, klass):
                     return True
-    return not known and bool(_SUBMODULE_NAME.search(attr))
+    return not known and bool(_SUBMODULE_NAME.search(attr)) and not _HOUSEKEEPING.match(attr)
+
+
+# methods of a module (nn.Module's, transformers') named like a submodule: ``resize_token_embeddings``,
+# ``get_input_embeddings``, ``set_decoder``, ``freeze_encoder``
+_HOUSEKEEPING = re.compile(r"_|get_|set_|resize_|tie_|init_|freeze|unfreeze|enable_|disable_|prune_|save|load|"
+                           r"register|reset|print|num_")
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:
