@@ -152,6 +152,8 @@ def _binding(program, wrapper: Wrapper) -> str:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and getattr(node, "value", None) is not None:
             for sub in walk(node.value):
                 if isinstance(sub, ast.Call) and sub.lineno == line and sub.col_offset == col:
+                    if sub is not node.value and not isinstance(node.value, (ast.Call, ast.IfExp, ast.Await)):
+                        return "the wrapper"        # made inside a registry's lambda, a list, a dict
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     target = targets[0]
                     index = wrapper.site[3] if len(wrapper.site) > 3 and isinstance(wrapper.site[3], int) else None

@@ -13,7 +13,7 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Function, qualified_name
+from synccheck.analyzer.project.definitions import Function, GlobalRef, qualified_name
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _named, _parameter_sources,
                                                       _single_device, _strings, _text, _truthy, called_name)
@@ -71,6 +71,22 @@ class CallValues:
             # ``wrap = lambda m: DDP(m, device_ids=[rank])``; ``wrap(net)``: what the body's call makes
             # (its parameters are not bound to the arguments: what is made does not hang on them)
             return self.expr(lam.body, scope)
+        lams = self._registry_lambdas(func, scope)
+        if lams:
+            # ``STRATEGIES[name](model, rank)`` where ``STRATEGIES = {"ddp": lambda m, r: DDP(m, ...),
+            # "none": lambda m, r: m}``: what each lambda's body makes, or the argument it returns
+            for lam, where in lams:
+                params = [a.arg for a in lam.args.args]
+                body = lam.body
+                if isinstance(body, ast.Name) and body.id in params:
+                    i = params.index(body.id)
+                    out |= self.expr(call.args[i], scope) if i < len(call.args) and not any(
+                        isinstance(a, ast.Starred) for a in call.args[:i + 1]) else ONE_UNKNOWN
+                elif isinstance(body, ast.Call):
+                    out |= self.expr(body, where)
+                else:
+                    out |= ONE_UNKNOWN
+            return frozenset(out)
         callees = self.expr(func, scope)
         if callees == {Ext("int")} and len(call.args) == 1 and not call.keywords:
             # ``int(config["batch_size"])``: a number we know stays known
@@ -90,6 +106,22 @@ class CallValues:
         for callee in callees:
             out |= self._call_value(callee, call, scope, module)
         return frozenset(out) or ONE_UNKNOWN
+
+    def _registry_lambdas(self, func, scope) -> list:
+        """(lambda, scope) for each value of the dict literal a subscripted name is bound to, once,
+        when every value is a lambda (a registry of wrappers); [] otherwise."""
+        if not (isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name)):
+            return []
+        bound = self.bound_expressions(func.value.id, scope)
+        where = scope
+        if not bound and isinstance(self.project.resolve(self.module_of(scope), func.value.id), GlobalRef):
+            ref = self.project.resolve(self.module_of(scope), func.value.id)
+            where = ref.module
+            bound = [(v, where) for v in ref.module.globals.get(ref.name, ())]
+        if len(bound) != 1 or not isinstance(bound[0][0], ast.Dict) or not bound[0][0].values or \
+                not all(isinstance(v, ast.Lambda) for v in bound[0][0].values):
+            return []
+        return [(v, bound[0][1]) for v in bound[0][0].values]
 
     def _lambda_bound(self, func, scope) -> Optional[ast.Lambda]:
         """The lambda a local name is bound to, once and only to it."""
