@@ -23,6 +23,34 @@ from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN,
                                                     site_of)
 
 
+def _deepspeed_only(scope) -> bool:
+    """Does the scope bind a name only where DeepSpeed runs (``if accelerator.state.deepspeed_plugin is
+    not None: gradient_accumulation_steps = ...deepspeed_config["gradient_accumulation_steps"]``) and
+    use it elsewhere? Without DeepSpeed the script would stop at a NameError: it runs under DeepSpeed
+    only (gpt4all's train.py), whose engine reduces gradients at its own boundary."""
+    if not isinstance(scope, Function) or "deepspeed_plugin" not in scope.module.segment(scope.node):
+        return False
+    only, elsewhere, inside = set(), set(scope.params), set()
+    for node in walk_no_defs(scope.node):
+        if isinstance(node, ast.If) and "deepspeed_plugin" in ast.unparse(node.test) and \
+                "is not None" in ast.unparse(node.test) and not node.orelse:
+            for stmt in node.body:
+                inside.add(id(stmt))
+                if isinstance(stmt, ast.Assign):
+                    only.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+    if not only:
+        return False
+    for node in walk_no_defs(scope.node):
+        if id(node) in inside:
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                elsewhere.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    used = {n.id for n in walk_no_defs(scope.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bool((only - elsewhere - set(scope.module.globals)) & used)
+
+
 def _frozen(arg, scope) -> bool:
     """Does the scope that prepares ``arg`` (a name) freeze every parameter of it first (``for p in
     head.parameters(): p.requires_grad = False``, ``head.requires_grad_(False)``), and unfreeze none?"""
@@ -300,7 +328,8 @@ class CallValues:
         # ``accelerator.prepare(model, DummyOptim(...))``: a placeholder for the optimizer a DeepSpeed
         # config makes, so this Accelerator runs DeepSpeed; its engine decides the accumulation
         # boundary and reduces the gradients there (gpt4all's train.py)
-        kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) else "accelerate"
+        kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) or \
+            _deepspeed_only(scope) else "accelerate"
         for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
             site = site_of(module, call, i)
