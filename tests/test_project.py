@@ -1094,3 +1094,12 @@ def test_an_engine_linted_alone_is_reported_in_its_own_file(tmp_path):
     # nearest to the context file's loop
     files = {k: v.replace("# FILE-MODE", "# SC101").replace("  # DIR-MODE", "") for k, v in ENGINE_STEPPED_BY_A_SCRIPT.items()}
     check_project(tmp_path, files, paths=["engine.py"])
+
+
+def test_an_engine_whose_loop_is_out_of_view_returns_at_the_end_of_each_micro_step(tmp_path):
+    # cramming's torch_default.py alone: step(batch) is the body of a loop nobody in view runs; its
+    # ``return loss.detach()`` ends one turn of that loop, not the loop (it used to end the analysis)
+    engine = ENGINE_STEPPED_BY_A_SCRIPT["engine.py"].replace("  # FILE-MODE", "").replace(
+        "return (loss / self.accumulation_steps_expected).backward()",
+        "return (loss / self.accumulation_steps_expected).backward()  # SC101")
+    check_project(tmp_path, {"engine.py": engine})

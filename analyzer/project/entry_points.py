@@ -19,10 +19,11 @@ MAX_DEPTH = 2          # how deep into the functions it calls the counter test i
 
 
 def called_in_view(program, name: str) -> bool:
-    """Is ``name`` called anywhere in the linted files (``self.optimize(loss)``; a ``def`` is not a call)?"""
+    """Is ``name`` called anywhere in the linted files or their context (``self.optimize(loss)``; a
+    ``def`` is not a call)?"""
     needle, definition = name + "(", "def " + name + "("
     for module in program.project.modules():
-        if module.linted:
+        if module.linted or module.context:
             text = module.text
             for match in re.finditer(re.escape(needle), text):
                 start = match.start()
@@ -32,8 +33,16 @@ def called_in_view(program, name: str) -> bool:
                     continue
                 if "#" in text[text.rfind("\n", 0, start) + 1:start]:
                     continue                       # ``# ... agent.train_step()`` in a comment
+                receiver = _RECEIVER.search(text, max(0, start - 80), start)
+                if receiver is not None and _NOT_THE_METHOD.search(receiver.group(1)):
+                    continue                       # ``self.optimizer.step()``: an optimizer's, not this ``step``
                 return True
     return False
+
+
+_RECEIVER = re.compile(r"(\w+)\s*\.\s*\Z")
+# what an optimizer, a scheduler or a scaler is called: their ``step()`` is not a project method's call
+_NOT_THE_METHOD = re.compile(r"optim|sched|scaler|(?:^|_)lr(?:$|_)|^opt(?:_\w+)?$|warmup|ema", re.IGNORECASE)
 
 
 def per_call_step(program, fn) -> bool:

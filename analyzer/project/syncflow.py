@@ -77,6 +77,7 @@ class Flow(Branches, Loops):
         self.work = 0
         self.peak = 0                    # the most properties a loop head held (what a statement costs)
         self.incomplete = False
+        self.calls_loop = None           # the root frame, when the root is the body of a loop out of view
         self.loop_stack: list = []       # ids of the loops being executed, callers' included
         self.optimizer_loops: set = set()  # ids of ``for opt in optimizers: opt.step()`` loops
         self.entering: list = []         # ids of the withs whose context object's __enter__ runs now
@@ -112,8 +113,10 @@ class Flow(Branches, Loops):
         body = self.root_node.body
         if isinstance(scope, Function) and lightning_manual_step(scope, scope.module.segment(scope.node)):
             body = [_lightning_loop(scope)]
+            self.calls_loop = fr
         elif isinstance(scope, Function) and scope.uid in self.program.per_call:
             body = [per_call_loop(scope)]
+            self.calls_loop = fr
         elif isinstance(scope, Function) and scope.uid in self.program.then_call:
             body = then_call(scope, self.program.then_call[scope.uid])
         st = St({Prop(): TRUE}, {})
@@ -183,6 +186,10 @@ class Flow(Branches, Loops):
                 caller = site_of(*self.call_stack[-1])
                 made = {site_of(fr.module, s.value)}
                 value = value._replace(alts=tuple((g, made_per_call(v, made, caller)) for g, v in value.alts))
+            if fr is self.calls_loop and fr.loops:
+                # the root runs once per turn of a loop out of view: its ``return loss`` ends the turn
+                fr.loops[0].continues.append(st)
+                return None
             fr.returns.append(st)
             fr.ret_vals.append(value)
             return None
