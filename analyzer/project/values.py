@@ -16,8 +16,9 @@ wrap or own is looked up from that site on demand, so a value's identity never d
 in which the analysis met it.
 
 The stage's modules: value_types.py (the values and the budgets), value_helpers.py (the syntax read),
-value_containers.py, value_params.py, value_calls.py, value_records.py and value_attributes.py (parts of
-``Values``: containers, parameters and their callers, calls, records, attributes), and this one:
+value_containers.py, value_params.py, value_calls.py, value_frameworks.py, value_records.py and
+value_attributes.py (parts of ``Values``: containers, parameters and their callers, calls, what
+accelerate's prepare and Fabric's setup make, records, attributes), and this one:
 ``Values`` itself, memoization with cycles, names and expressions. Every name these modules define
 stays importable from here.
 """
@@ -34,6 +35,7 @@ from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores, scop
 from synccheck.analyzer.project.value_attributes import _LOADER_SAMPLERS, AttributeValues, _receiver_of
 from synccheck.analyzer.project.value_calls import CallValues
 from synccheck.analyzer.project.value_containers import ContainerValues
+from synccheck.analyzer.project.value_frameworks import FrameworkValues
 from synccheck.analyzer.project.value_params import ParameterValues
 from synccheck.analyzer.project.value_records import RecordValues
 # re-exported: every name values.py held before the split stays importable from here
@@ -52,7 +54,7 @@ from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLER
 
 # ---------------------------------------------------------------------------------------------------
 
-class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, RecordValues):
+class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, FrameworkValues, RecordValues):
     """The value analysis of one project."""
 
     def __init__(self, project: Project) -> None:

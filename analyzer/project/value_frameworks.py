@@ -1,0 +1,143 @@
+"""Stage 5 of the pipeline (values), part 6: what accelerate's ``prepare`` and Fabric's ``setup`` make.
+
+Each argument of ``accelerator.prepare(...)`` becomes what accelerate returns for it: a prepared
+optimizer, a loader, a scheduler, or the model wrapped by the Accelerator's backend (DDP, FSDP, or a
+DeepSpeed engine when the optimizer is DeepSpeed's ``DummyOptim`` or the script runs under DeepSpeed
+only), unless every parameter of the module is frozen (accelerate leaves such a module as it was).
+``fabric.setup(model, optimizer)`` makes Fabric's wrapped module and optimizer. ``FrameworkValues`` is
+the part of ``values.Values`` that does this.
+"""
+from __future__ import annotations
+
+import ast
+
+from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.traversal import walk_no_defs
+from synccheck.analyzer.project.value_helpers import _named, called_name
+from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Framework, Loader, Optim, Tup, Wrapper, site_of
+
+
+class FrameworkValues:
+    """What ``prepare`` and ``setup`` return (a part of Values)."""
+
+    def _prepare(self, call, attr: str, scope, module) -> frozenset:
+        items = []
+        # ``accelerator.prepare(model, DummyOptim(...))``: a placeholder for the optimizer a DeepSpeed
+        # config makes, so this Accelerator runs DeepSpeed; its engine decides the accumulation
+        # boundary and reduces the gradients there (gpt4all's train.py)
+        kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) or \
+            _deepspeed_only(scope) else "accelerate"
+        for i, arg in enumerate(self._spread_args(call, scope)):
+            values = self.expr(arg, scope)
+            site = site_of(module, call, i)
+            if attr == "prepare_optimizer" or any(isinstance(v, Optim) for v in values) or \
+                    _named(arg, ("optim", "opt")):
+                self.sites[site] = self.sites.get(next((v.site for v in values if isinstance(v, Optim)), None),
+                                                  (None, scope))
+                items.append(frozenset((Optim(site, True),)))
+            elif attr in ("prepare_data_loader",) or any(isinstance(v, Loader) for v in values) or \
+                    _named(arg, ("loader", "dataloader", "data")):
+                items.append(frozenset(v for v in values if isinstance(v, Loader)) or ONE_UNKNOWN)
+            elif attr == "prepare_scheduler" or _named(arg, ("sched",)):
+                items.append(ONE_UNKNOWN)
+            else:
+                self.sites[site] = (arg, scope)
+                # accelerate wraps only a module with a trainable parameter: a frozen one (a teacher,
+                # a fixed head) is returned as it was, with no gradient to all-reduce
+                items.append(frozenset((Wrapper(kind, site, single=_frozen(arg, scope)),)))
+        if len(items) == 1:
+            return items[0]
+        return frozenset((Tup(tuple(items)),))
+
+    def _dummy_optimizer(self, arg, prepare, scope) -> bool:
+        """Is ``arg`` accelerate's ``DummyOptim(...)``, or a name bound only to one (and to what
+        ``prepare`` returns)?"""
+        made = [arg] if not isinstance(arg, ast.Name) else [
+            v for v, _ in self.bound_expressions(arg.id, scope) if v is not prepare]
+        return bool(made) and all(isinstance(v, ast.Call) and called_name(v) in ("DummyOptim", "DummyScheduler")
+                                  for v in made)
+
+    def _spread_args(self, call, scope) -> list:
+        """The positional arguments, with ``*parts`` replaced by the elements of the list literal
+        ``parts`` was bound to (``components = [self.model, self.optimizer]``; what is appended
+        later comes after them)."""
+        out = []
+        for arg in call.args:
+            if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+                bound = self.info(scope).assigns.get(arg.value.id, ())
+                literals = [v for v, path in bound if not path and isinstance(v, (ast.List, ast.Tuple))]
+                if len(bound) == 1 and literals and not any(isinstance(e, ast.Starred) for e in literals[0].elts):
+                    out.extend(literals[0].elts)
+                    continue
+            out.append(arg)
+        return out
+
+    def _fabric_setup(self, call, attr: str, receiver, scope, module) -> frozenset:
+        single = any(isinstance(v, Framework) and v.single for v in receiver)
+        items = []
+        for i, arg in enumerate(call.args):
+            site = site_of(module, call, i)
+            if attr == "setup_optimizers" or (attr == "setup" and i > 0):
+                self.sites[site] = (None, scope)
+                items.append(frozenset((Optim(site),)))
+            else:
+                self.sites[site] = (arg, scope)
+                items.append(frozenset((Wrapper("fabric", site, single=single),)))
+        return items[0] if len(items) == 1 else frozenset((Tup(tuple(items)),))
+
+
+def _deepspeed_only(scope) -> bool:
+    """Does the scope bind a name only where DeepSpeed runs (``if accelerator.state.deepspeed_plugin is
+    not None: gradient_accumulation_steps = ...deepspeed_config["gradient_accumulation_steps"]``) and
+    use it elsewhere? Without DeepSpeed the script would stop at a NameError: it runs under DeepSpeed
+    only (gpt4all's train.py), whose engine reduces gradients at its own boundary."""
+    if not isinstance(scope, Function) or "deepspeed_plugin" not in scope.module.segment(scope.node):
+        return False
+    only, elsewhere, inside = set(), set(scope.params), set()
+    for node in walk_no_defs(scope.node):
+        if isinstance(node, ast.If) and "deepspeed_plugin" in ast.unparse(node.test) and \
+                "is not None" in ast.unparse(node.test) and not node.orelse:
+            for stmt in node.body:
+                inside.add(id(stmt))
+                if isinstance(stmt, ast.Assign):
+                    only.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+    if not only:
+        return False
+    for node in walk_no_defs(scope.node):
+        if id(node) in inside:
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                elsewhere.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    used = {n.id for n in walk_no_defs(scope.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bool((only - elsewhere - set(scope.module.globals)) & used)
+
+
+def _frozen(arg, scope) -> bool:
+    """Does the scope that prepares ``arg`` (a name) freeze every parameter of it first (``for p in
+    head.parameters(): p.requires_grad = False``, ``head.requires_grad_(False)``), and unfreeze none?"""
+    if not isinstance(arg, ast.Name):
+        return False
+    body = scope.node.body if isinstance(scope, Function) else scope.tree.body
+    frozen = False
+    for stmt in body:
+        for node in walk_no_defs(stmt):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "requires_grad_":
+                off = bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value is False
+                if not off:
+                    return False            # (something is unfrozen)
+                frozen = frozen or (isinstance(node.func.value, ast.Name) and node.func.value.id == arg.id)
+            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "requires_grad"
+                                                      for t in node.targets):
+                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    return False
+            elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Call) and \
+                    isinstance(node.iter.func, ast.Attribute) and node.iter.func.attr == "parameters" and \
+                    isinstance(node.iter.func.value, ast.Name) and node.iter.func.value.id == arg.id and \
+                    isinstance(node.target, ast.Name) and any(
+                        isinstance(t, ast.Attribute) and t.attr == "requires_grad" and isinstance(t.value, ast.Name)
+                        and t.value.id == node.target.id for b in node.body if isinstance(b, ast.Assign)
+                        for t in b.targets):
+                frozen = True
+    return frozen
