@@ -9,32 +9,19 @@ is seen whole. Findings are kept only where their node is: in a linted file.
 from __future__ import annotations
 
 import ast
-import re
 from typing import Optional
 
-from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
 from synccheck.analyzer.project.duck import duck_method
-from synccheck.analyzer.project.index import Class, Function, GlobalRef, Project
+from synccheck.analyzer.project.index import Function, Project
 from synccheck.analyzer.project.traversal import block_nodes_no_defs, walk, walk_no_defs
 from synccheck.analyzer.project.values import CALL_WORD, Bound, Cls, Func, Inst, Values
 from synccheck.analyzer.project.wrapped_models import WrappedModels
+# the words of a block, and the constants roots are found by (re-exported: importable from here)
+from synccheck.analyzer.project.program_words import (EVENT_CALLS, MAX_ROOT_WORK, ROOT_WORDS, STEP_WORDS,  # noqa: F401
+                                                      SYNC_WORDS, WRAP_CALLS, Words)
 
-# Calls whose names make a file worth a root: words a training loop must say.
-STEP_WORDS = ("step",)
-SYNC_WORDS = ("no_sync", "require_backward_grad_sync", "set_requires_gradient_sync", "no_backward_sync",
-              "accumulate")
-EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate", "set_requires_gradient_sync",
-                         "no_backward_sync", "enter_context")) | vocab.GRAD_SYNC
-MAX_ROOT_WORK = 400_000
-# a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
-# sync control is where the schedule is)
-ROOT_WORDS = ("step", "zero_grad", "no_sync", "backward", "accumulate", "require_backward_grad_sync")
-WRAP_CALLS = frozenset(("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard", "replicate", "prepare",
-                        "prepare_model", "setup", "setup_module", "initialize"))
-
-
-class Program(WrappedModels):
+class Program(Words, WrappedModels):
     def __init__(self, project: Project) -> None:
         self.project = project
         self.values = Values(project)
@@ -197,135 +184,6 @@ class Program(WrappedModels):
                 return True
         return False
 
-    # -- words: what a block of code may do, through the project functions it calls -------------------
-    def words(self, stmts, scope) -> frozenset:
-        if not stmts:
-            return frozenset()
-        key = (id(stmts[0]), len(stmts), id(scope))
-        found = self._stmt_words.get(key)
-        if found is None:
-            found = self._stmt_words[key] = self._words_of(stmts, scope)
-        return found
-
-    def _words_of(self, stmts, scope) -> frozenset:
-        """Event words of a block, through the project functions it calls: syntax and the index only
-        (this decides what to analyse; the flows then resolve every call precisely)."""
-        out = set()
-        for stmt in stmts:
-            for node in _walk_no_defs(stmt):
-                t = type(node)
-                if t is ast.Call:
-                    func = node.func
-                    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-                    if name in EVENT_CALLS:
-                        if name == "step" and isinstance(func, ast.Attribute) and _receiver_is_scheduler(func.value):
-                            continue
-                        out.add(name)
-                    elif name in WRAP_CALLS:
-                        out.add("wrap")
-                    elif name == "setattr" and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) and \
-                            node.args[1].value == "require_backward_grad_sync":
-                        out.add("require_backward_grad_sync")
-                    targets = self.syntactic_targets(node, scope)
-                    if targets is None:
-                        out.add("call")          # a callable held in a variable or attribute: a model?
-                    for fn in targets or ():
-                        out |= self.fn_words(fn)
-                elif t in (ast.Continue, ast.Break, ast.Return, ast.Raise):
-                    out.add("exit")
-                elif t is ast.Attribute and isinstance(node.ctx, ast.Store) and node.attr == "require_backward_grad_sync":
-                    out.add("require_backward_grad_sync")
-                elif t is ast.Attribute and node.attr == "no_sync" and isinstance(node.ctx, ast.Load):
-                    out.add("no_sync")           # ``maybe_no_sync = model.no_sync``, entered later
-        return frozenset(out)
-
-    def syntactic_targets(self, call: ast.Call, scope) -> Optional[list]:
-        """The project functions a call names, from syntax and the index alone: ``f()``, ``self.m()``,
-        ``module.f()``, ``Class()``. None when the callee is a value (a parameter, ``self.model``)."""
-        func = call.func
-        module = scope.module if isinstance(scope, Function) else scope
-        if isinstance(func, ast.Name):
-            if isinstance(scope, Function):
-                fn = scope
-                while fn is not None:
-                    if func.id in fn.nested:
-                        return [fn.nested[func.id]]
-                    if func.id in fn.params:
-                        return None
-                    fn = fn.parent
-            sym = self.project.resolve(module, func.id)
-            return _callables(self.project, sym)
-        if isinstance(func, ast.Subscript):
-            return None                          # self.modules["encoder"](x): a model kept in a container
-        if isinstance(func, ast.Attribute):
-            base = func.value
-            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super" and \
-                    isinstance(scope, Function) and scope.cls is not None:
-                # ``super().compute_loss(batch)`` in a mixin: the method after this class in the MRO of
-                # every class that has it
-                return self._after_in_mro(scope.cls, func.attr)
-            if isinstance(base, ast.Name) and isinstance(scope, Function) and scope.cls is not None and \
-                    scope.params and base.id == scope.params[0]:
-                found = self.project.attribute(scope.cls, func.attr)
-                if isinstance(found, Function) and found.is_property:
-                    return None                  # ``self._pytorch_model(batch)``: what the property returns is called
-                if isinstance(found, Function) and found.abstract:
-                    # a hook the subclasses fill: what runs is their overrides
-                    out = []
-                    for sub in self.project.subclasses(scope.cls):
-                        override = self.project.attribute(sub, func.attr)
-                        if isinstance(override, Function) and not override.abstract and override not in out:
-                            out.append(override)
-                    return out or [found]
-                if isinstance(found, Function):
-                    return [found]
-                return None                      # self.model(...): an attribute, maybe a wrapper
-            if isinstance(base, ast.Name) and isinstance(scope, Function) and \
-                    base.id in self.values.info(scope).assigns:
-                # ``trainer = Trainer(...)`` then ``trainer.train_step(batch)``: the class's method
-                found = []
-                for value, path in self.values.info(scope).assigns[base.id]:
-                    if isinstance(value, ast.Call) and not path and isinstance(value.func, (ast.Name, ast.Attribute)):
-                        sym = self.project.resolve_expr(module, value.func)
-                        if isinstance(sym, Class):
-                            found.extend(_callables(self.project, self.project.attribute(sym, func.attr)))
-                return found
-            if isinstance(base, (ast.Name, ast.Attribute)):
-                sym = self.project.resolve_expr(module, base)
-                if sym is not None and not isinstance(sym, GlobalRef):
-                    return _callables(self.project, self.project.attribute(sym, func.attr))
-            if any(_names_model(a) for a in list(call.args) + [k.value for k in call.keywords]) or (
-                    _STEPPING_METHOD.match(func.attr) and isinstance(base, ast.Name) and
-                    isinstance(scope, Function) and base.id in scope.params):
-                # ``self.task.train_step(sample, self.model, ...)``: an object we cannot trace, handed
-                # the model (see duck.py); or a parameter's method that steps
-                # (``accelerator.take_optimizer_step()`` on a project's wrapper of the Accelerator)
-                duck = self.duck_method(func.attr, scope, call)
-                return [duck.fn] if duck is not None else []
-            return []
-        return []
-
-    def _after_in_mro(self, klass, name: str) -> list:
-        if name.startswith("__"):
-            return []               # ``super().__init__(...)``: as any call on a value we cannot see
-        out = []
-        for sub in self.project.subclasses(klass):
-            method = self.project.method_after(sub, klass, name)
-            if method is not None and method not in out:
-                out.append(method)
-        return out
-
-    def fn_words(self, fn: Function) -> frozenset:
-        found = self._words.get(fn.uid)
-        if found is not None:
-            return found
-        self._words[fn.uid] = frozenset()        # a call cycle ends here
-        words = set(self._words_of(fn.node.body, fn))
-        words.discard("exit")
-        words.discard("wrap")
-        self._words[fn.uid] = frozenset(words)
-        return self._words[fn.uid]
-
     def call_targets(self, call: ast.Call, scope) -> list:
         out = []
         for v in self.values.expr(call.func, scope):
@@ -393,10 +251,6 @@ class Program(WrappedModels):
         return self._ducks[key]
 
 
-# a method whose name says it steps an optimizer, other than the optimizer's (or a scheduler's) own
-_STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim\w*step|\w*step_optim")
-
-
 def _passes_static_graph(tree) -> bool:
     """``DDP(..., static_graph=True)``, ``dict(static_graph=...)``, ``{"static_graph": ...}``,
     ``model._set_static_graph()`` (not a docstring that names it)."""
@@ -406,26 +260,6 @@ def _passes_static_graph(tree) -> bool:
                 type(node) is ast.Attribute and node.attr == "_set_static_graph":
             return True
     return False
-
-
-def _callables(project, sym) -> list:
-    if isinstance(sym, Function):
-        return [sym]
-    if isinstance(sym, Class):
-        init = project.attribute(sym, "__init__")
-        return [init] if isinstance(init, Function) else []
-    return []
-
-
-def _names_model(node) -> bool:
-    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-    return "model" in name.lower()
-
-
-def _receiver_is_scheduler(node) -> bool:
-    text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-    text = text.lower()
-    return "sched" in text or text in ("lr", "warmup", "ema") or text.endswith("_lr")
 
 
 _walk_no_defs = walk_no_defs      # ast.walk without entering nested functions, classes or lambdas
