@@ -16,7 +16,7 @@ from typing import Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, GlobalRef, qualified_name
 from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _parameter_sources, _single_device,
-                                                      _strings, _text, _truthy)
+                                                      _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
@@ -193,13 +193,27 @@ class CallValues:
             return False
         for value, _ in self.bound_expressions(node.id, scope):
             if isinstance(value, ast.Dict):
-                if any(isinstance(k, ast.Constant) and k.value == "static_graph" and _truthy(v)
+                if any(isinstance(k, ast.Constant) and k.value == "static_graph" and self._set_true(v, scope)
                        for k, v in zip(value.keys, value.values)):
                     return True
             elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
-                if any(kw.arg == "static_graph" and _truthy(kw.value) for kw in value.keywords):
+                if any(kw.arg == "static_graph" and self._set_true(kw.value, scope) for kw in value.keywords):
                     return True
         return False
+
+    def _set_true(self, node, scope) -> bool:
+        """Is an option set to true as far as the code says: a true literal, or a name bound only to
+        one (a parameter by its literal default, ``checkpointing=True``)? A value read from a config
+        (``cfg.static_graph``, ``args.static_graph``) is not known to be true."""
+        if isinstance(node, ast.Constant):
+            return _truthy(node)
+        if not isinstance(node, ast.Name):
+            return False
+        bound = [v for v, _ in self.bound_expressions(node.id, scope)]
+        if not bound and isinstance(scope, Function) and node.id in scope.params:
+            default = parameter_default(scope.node, node.id)
+            bound = [default] if default is not None else []
+        return bool(bound) and all(isinstance(v, ast.Constant) and _truthy(v) for v in bound)
 
     def _external_call(self, qual: str, call: ast.Call, scope, module, site) -> frozenset:
         kind = vocab.wrapper_kind(qual)
@@ -209,7 +223,7 @@ class CallValues:
                                    ONE_UNKNOWN, ONE_UNKNOWN)),))
         if kind:
             self.sites[site] = (_first_arg(call, "module"), scope)
-            static = any(kw.arg == "static_graph" and _truthy(kw.value) for kw in call.keywords) or any(
+            static = any(kw.arg == "static_graph" and self._set_true(kw.value, scope) for kw in call.keywords) or any(
                 kw.arg is None and self._static_graph_in(kw.value, scope) for kw in call.keywords) or \
                 self._static_graph_set_later(call, scope)
             return frozenset((Wrapper(kind, site, static),))
