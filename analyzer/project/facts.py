@@ -124,8 +124,11 @@ class Population:
         # generator loss through D) says nothing about accumulation, nor does a shared backward.
         # Under ``accelerator.accumulate`` the step itself is gated, so a wipe later in the same
         # iteration (``model.zero_grad()`` after ``optimizer.step()``) throws the window away.
+        # (Not for a model whose sync is managed by hand, local SGD's parameter averaging: its step is
+        # not gated, and a zero_grad after it wipes nothing of a window.)
+        hand = flow.program.managed_models()
         records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
-                   or (r[1] == "wiped" and r[0].synced == "managed" and not r[0].shared)]
+                   or (r[1] == "wiped" and _gated_window(r[0], hand) and not r[0].shared)]
         # a zero_grad outside the micro-steps' loop (at the top of each epoch) drops an unfinished
         # window at the epoch's end; it does not wipe micro-steps
         records = [r for r in records if r[1] != "wiped" or _inside(flow, r[2], loop)]
@@ -144,7 +147,7 @@ class Population:
         self.periodic = any(_periodic(flow.atoms.atoms[k], loop) for k in self.gate) or any(
             # one step after the micro-steps' loop (a chunk loop inside the iteration): once per run of it
             kind == "stepped" and _outside(flow, resolver, loop) for _, kind, resolver, _, _ in records)
-        kinds = {kind for token, kind, _, across, _ in records if across or token.synced == "managed"}
+        kinds = {kind for token, kind, _, across, _ in records if across or _gated_window(token, hand)}
         # gradients wiped between iterations under a non-counting gate: steps are skipped, not
         # accumulated, whatever else the paths through the iteration do
         self.accumulating = bool(self.stepped) and (
@@ -176,6 +179,12 @@ class Population:
 
     def describe(self, group: int) -> str:
         return self.flow.atoms.describe_assignment(group, self.gate)
+
+
+def _gated_window(token, by_hand) -> bool:
+    """A micro-step whose optimizer step is gated for it (``accelerator.accumulate``, a DeepSpeed
+    engine), not one of a model whose sync is managed by hand (local SGD)."""
+    return token.synced == "managed" and token.model not in by_hand
 
 
 _COUNTING = ("accum", "grad_acc", "update_freq", "sync_gradients", "micro", "iters_to_acc", "gradient_acc",
@@ -287,7 +296,8 @@ def wiped(flow) -> list:
     for pop in populations(flow):
         if not pop.stepped or not pop.accumulating:
             continue
-        if not any(kind == "wiped" and (across or t.synced == "managed") for t, kind, _, across, _ in pop.records):
+        hand = flow.program.managed_models()
+        if not any(kind == "wiped" and (across or _gated_window(t, hand)) for t, kind, _, across, _ in pop.records):
             continue
         # a switch that holds all run (``if self.accum_count == 1: optim.zero_grad()``) wipes every
         # micro-step of the runs where it is on
@@ -327,7 +337,7 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
         return formula & universe
 
     for token, kind, resolver, across, guard in sorted(pop.records, key=repr):
-        if kind != "wiped" or not (across or token.synced == "managed"):
+        if kind != "wiped" or not (across or _gated_window(token, flow.program.managed_models())):
             continue
         ran = flow.records.zero_ran.get(resolver, 0) & universe
         if ran and not ran & ~steps and fixed(ran) & fixed(guard):
