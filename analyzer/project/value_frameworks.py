@@ -115,29 +115,73 @@ def _deepspeed_only(scope) -> bool:
 
 
 def _frozen(arg, scope) -> bool:
-    """Does the scope that prepares ``arg`` (a name) freeze every parameter of it first (``for p in
-    head.parameters(): p.requires_grad = False``, ``head.requires_grad_(False)``), and unfreeze none?"""
+    """Does the scope that prepares ``arg`` (a name) freeze every parameter of it first, in a statement
+    of its own body (``for p in head.parameters(): p.requires_grad = False``, ``head.requires_grad_(False)``),
+    with nothing after that which may give it a trainable parameter again (an unfreezing anywhere in the
+    scope, a rebinding, an adapter added: any use but ``eval()`` / ``to()``)?"""
     if not isinstance(arg, ast.Name):
         return False
+    name = arg.id
     body = scope.node.body if isinstance(scope, Function) else scope.tree.body
-    frozen = False
     for stmt in body:
         for node in walk_no_defs(stmt):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "requires_grad_":
-                off = bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value is False
-                if not off:
-                    return False            # (something is unfrozen)
-                frozen = frozen or (isinstance(node.func.value, ast.Name) and node.func.value.id == arg.id)
-            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "requires_grad"
-                                                      for t in node.targets):
-                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
-                    return False
-            elif isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Call) and \
-                    isinstance(node.iter.func, ast.Attribute) and node.iter.func.attr == "parameters" and \
-                    isinstance(node.iter.func.value, ast.Name) and node.iter.func.value.id == arg.id and \
-                    isinstance(node.target, ast.Name) and any(
-                        isinstance(t, ast.Attribute) and t.attr == "requires_grad" and isinstance(t.value, ast.Name)
-                        and t.value.id == node.target.id for b in node.body if isinstance(b, ast.Assign)
-                        for t in b.targets):
-                frozen = True
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "requires_grad_" \
+                    and not (node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False):
+                return False                # (something is unfrozen)
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "requires_grad"
+                                                    for t in node.targets) and \
+                    not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                return False
+    frozen = False
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue                            # (a function's body runs later)
+        if _freezes(stmt, name):
+            frozen = True
+        elif frozen and _prepares(stmt, name):
+            return True                         # what runs after the prepare does not matter here
+        elif frozen and not _harmless_use(stmt, name):
+            return False
     return frozen
+
+
+def _prepares(stmt, name: str) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+               n.func.attr in ("prepare", "prepare_model") and
+               any(isinstance(a, ast.Name) and a.id == name for a in n.args) for n in walk_no_defs(stmt))
+
+
+def _freezes(stmt, name: str) -> bool:
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Attribute) \
+            and stmt.value.func.attr == "requires_grad_" and isinstance(stmt.value.func.value, ast.Name) and \
+            stmt.value.func.value.id == name:
+        return True
+    return isinstance(stmt, (ast.For, ast.AsyncFor)) and isinstance(stmt.iter, ast.Call) and \
+        isinstance(stmt.iter.func, ast.Attribute) and stmt.iter.func.attr == "parameters" and \
+        isinstance(stmt.iter.func.value, ast.Name) and stmt.iter.func.value.id == name and \
+        isinstance(stmt.target, ast.Name) and any(
+            isinstance(t, ast.Attribute) and t.attr == "requires_grad" and isinstance(t.value, ast.Name) and
+            t.value.id == stmt.target.id for b in stmt.body if isinstance(b, ast.Assign) for t in b.targets)
+
+
+_HARMLESS_METHODS = ("eval", "to", "cuda", "half", "float", "bfloat16", "requires_grad_")
+
+
+def _harmless_use(stmt, name: str) -> bool:
+    """Is every use of ``name`` in ``stmt`` an argument of ``prepare(...)`` (bound back by it) or a call
+    of one of its harmless methods?"""
+    uses = [n for n in walk_no_defs(stmt) if isinstance(n, ast.Name) and n.id == name]
+    allowed = set()
+    for node in walk_no_defs(stmt):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("prepare", "prepare_model"):
+                allowed.update(id(a) for a in node.args if isinstance(a, ast.Name) and a.id == name)
+            elif node.func.attr in _HARMLESS_METHODS and isinstance(node.func.value, ast.Name):
+                allowed.add(id(node.func.value))
+    prepared = isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
+        isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in ("prepare", "prepare_model")
+    for n in uses:
+        if id(n) in allowed or (prepared and isinstance(n.ctx, ast.Store)):
+            continue
+        return False
+    return True
