@@ -157,6 +157,8 @@ def _accumulates(call: ast.Call) -> str:
         return "yes"
     if None in names or any(isinstance(a, ast.Starred) for a in call.args):
         return "unknown"       # Accelerator(**kwargs)
+    if "deepspeed_plugin" in names or "deepspeed_plugins" in names:
+        return "unknown"       # the DeepSpeed config (or ``accelerate launch``) says how many micro-steps
     return "no"
 
 
