@@ -24,6 +24,9 @@ WRAPPERS = {
     "torch.distributed._composable.replicate": "fsdp2",
     "torch.distributed._composable.replicate.replicate": "fsdp2",
     "deepspeed.initialize": "deepspeed",
+    # ignite's helper: DistributedDataParallel around the model when a native backend runs several processes
+    "ignite.distributed.auto_model": "ddp",
+    "ignite.distributed.auto.auto_model": "ddp",
 }
 # Class names that identify a wrapper whatever module they came from (a star import, a re-export
 # through a package we do not index): ``DistributedDataParallel`` is unambiguous.
