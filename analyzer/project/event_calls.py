@@ -217,6 +217,10 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
+    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws:
+        # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided
+        # or not, or not known (a parameter of a function nobody in view calls), as the loss was
+        scaled = args[0].scaled
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
 
 

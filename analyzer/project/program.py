@@ -110,9 +110,17 @@ class Program(Words, WrappedModels):
                     # loop's words: gate.eager said it cannot hold a finding; a context file's loop
                     # is a root, its findings in the linted files are reported)
                     continue
+                engine_steps = _engine_process_functions(module) if "Engine(" in module.text else ()
                 for fn in list(module.functions.values()):
                     # words first: most functions with a loop say nothing a training loop says
                     segment = module.segment(fn.node)
+                    if fn.node.name in engine_steps and fn.uid not in self.per_call and \
+                            self.fn_words(fn) & {"backward", "call"} and self.fn_words(fn) & {"step", "call"}:
+                        # ignite's ``Engine(update)``: the engine calls ``update(engine, batch)`` once per
+                        # batch, in a loop we do not see (CDial-GPT, ignite's references)
+                        self.per_call.add(fn.uid)
+                        out.append(fn)
+                        continue
                     loops = ("for " in segment or "while " in segment) and (
                         any(w in segment for w in ROOT_WORDS) or self._calls_eventful(segment, fn.uid)) and _loops(fn.node.body)
                     if loops and self._loop_reaches_backward(fn.node.body, fn, loops):
@@ -269,6 +277,19 @@ def _loops(body) -> list:
     """The loops of a block, in the order ``_walk_no_defs`` meets them (nested functions' left out)."""
     return [node for stmt in body for node in block_nodes_no_defs(stmt)
             if isinstance(node, (ast.For, ast.AsyncFor, ast.While))]
+
+
+def _engine_process_functions(module) -> set:
+    """Names of the functions handed to ``Engine(fn)`` (ignite's, or a subclass named ``...Engine``) in a
+    module: each runs once per batch of ``engine.run(loader)``."""
+    out = set()
+    for node in walk(module.tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name.endswith("Engine"):
+                out.add(node.args[0].id)
+    return out
 
 
 def lightning_manual_step(fn, segment: str) -> bool:
