@@ -137,12 +137,7 @@ class _RankChecker(RankTests):
         for node in walk(expr):
             if not isinstance(node, ast.Call):
                 continue
-            what = self.collective(node, scope)
-            if not what and isinstance(node.func, ast.Attribute) and node.func.attr == "state_dict" and \
-                    not node.args and ast.unparse(node.func.value) in self._full_state_dict:
-                # ``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:
-                # FSDP all-gathers every parameter for it, on every rank (rank0_only only says who keeps it)
-                what = "state_dict"
+            what = self.collective(node, scope) or self._full_gather(node)
             if what:
                 found.append((node, what, side, test, False))
                 continue
@@ -156,6 +151,22 @@ class _RankChecker(RankTests):
                 if runs:
                     found.append((node, sorted(runs)[0], side, test, True))
                     break
+
+    def _full_gather(self, call: ast.Call) -> Optional[str]:
+        """``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:
+        FSDP all-gathers every parameter for it, on every rank (rank0_only only says who keeps it); so
+        does ``FSDP.optim_state_dict(model, optimizer)`` there, and ``FSDP.full_optim_state_dict`` anywhere."""
+        func = call.func
+        if not isinstance(func, ast.Attribute):
+            return None
+        if func.attr == "state_dict" and not call.args and ast.unparse(func.value) in self._full_state_dict:
+            return "state_dict"
+        if func.attr == "full_optim_state_dict" or (func.attr == "optim_state_dict" and call.args and
+                                                    ast.unparse(call.args[0]) in self._full_state_dict):
+            if isinstance(func.value, (ast.Name, ast.Attribute)) and "FSDP" in ast.unparse(func.value) or \
+                    "FullyShardedDataParallel" in ast.unparse(func.value):
+                return func.attr
+        return None
 
     def collective(self, call: ast.Call, scope) -> Optional[str]:
         group = next((kw.value for kw in call.keywords if kw.arg == "group"), None)
@@ -234,6 +245,9 @@ class _RankChecker(RankTests):
                 if value is not True:
                     self._runs_in(stmt.orelse, fn, binding, out)
                 continue
+            full = [m for m in map(_full_state_dict, (item.context_expr for item in stmt.items)) if m] \
+                if isinstance(stmt, (ast.With, ast.AsyncWith)) else []
+            self._full_state_dict.extend(full)
             for child in children(stmt):
                 if isinstance(child, ast.stmt):
                     self._runs_in([child], fn, binding, out)
@@ -241,12 +255,13 @@ class _RankChecker(RankTests):
                     self._runs_in(child.body, fn, binding, out)
                 elif isinstance(child, (ast.expr, ast.withitem)):
                     self._runs_calls(child, fn, binding, out)
+            del self._full_state_dict[len(self._full_state_dict) - len(full):]
 
     def _runs_calls(self, node, fn: Function, binding: dict, out: set) -> None:
         for call in walk(node):
             if not isinstance(call, ast.Call):
                 continue
-            what = self.collective(call, fn)
+            what = self.collective(call, fn) or self._full_gather(call)
             if what:
                 out.add(what)
                 continue

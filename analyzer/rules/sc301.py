@@ -102,7 +102,9 @@ class _CollectiveFunctions:
             if name in self.calls:
                 continue
             bodies = [self._body(m) for m in self.defs[name]]
-            if any(COLLECTIVE_CALL.search(b) for b in bodies):
+            if any(COLLECTIVE_CALL.search(b) or "FULL_STATE_DICT" in b or "full_optim_state_dict" in b
+                   for b in bodies):
+                # (an FSDP full state dict all-gathers: rank_branches._full_gather)
                 self.runs.add(name)
             self.calls[name] = {c for b in bodies for c in CALLED.findall(b) if c in self.defs}
             todo.extend(c for c in self.calls[name] if c not in self.calls)
