@@ -135,8 +135,10 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
             # the forward, but it is the same helper that set it for the forward: no miss)
             restored = fwd is not None and fwd.flag_after is not None and fwd.flag_after == fwd.by and \
                 fwd.flag_after in flow.records.helper_flags
+            # (``accelerator.accumulate(model)`` entered after the forward is as late as ``no_sync``)
             misses = misses and fwd is not None and not restored and (
-                (fwd.decided == "on" and now == "off") or fwd.flag_after is not None)
+                (fwd.decided == "on" and (now == "off" or (now == "managed" and now_by is not None)))
+                or fwd.flag_after is not None)
             if misses:
                 flow.records.misses_forward(now_by if fwd.flag_after is None else fwd.flag_after, site, model,
                                             "flag" if fwd.flag_after is not None and fwd.flag_after not in flow.records.helper_flags else "control",
