@@ -137,6 +137,11 @@ def expr(flow, node, st, fr) -> EnvVal:
                 False if (left.prov or right.prov) else None)
         return _val(ONE_UNKNOWN, left.prov | right.prov, scaled)
     if t is ast.IfExp:
+        known = flow.values._type_test(node.test, fr.scope)
+        if known is not None:
+            # ``model.module if hasattr(model, "module") else model`` on a model known to be a wrapper
+            # (or known not to be one): the one side that is taken
+            return expr(flow, node.body if known else node.orelse, st, fr)
         body, orelse = expr(flow, node.body, st, fr), expr(flow, node.orelse, st, fr)
         syncish = any(isinstance(v, (FlowCtx, FlowFactory, FlowHelper)) or isinstance(v, Const) and isinstance(v.value, bool)
                       for v in body.values | orelse.values)
