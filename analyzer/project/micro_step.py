@@ -126,11 +126,11 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
             now, now_by = sync_state(prop, model, managed)
             if model.kind == "deepspeed":
                 synced, by = "managed", None
-            elif model.kind in vocab.FORWARD_DECIDES and fwd is not None:
+            elif model.kind in vocab.FORWARD_DECIDES and not model.sharded and fwd is not None:
                 synced, by = fwd.decided, fwd.by
             else:
                 synced, by = now, now_by
-            misses = model.kind == "ddp" or model.kind in ("accelerate", "fabric")
+            misses = model.kind == "ddp" or model.kind == "accelerate" or (model.kind == "fabric" and not model.sharded)
             # (a helper context around the forward that restores the flag on its way out wrote it after
             # the forward, but it is the same helper that set it for the forward: no miss)
             restored = fwd is not None and fwd.flag_after is not None and fwd.flag_after == fwd.by and \
@@ -143,7 +143,8 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                 flow.records.misses_forward(now_by if fwd.flag_after is None else fwd.flag_after, site, model,
                                             "flag" if fwd.flag_after is not None and fwd.flag_after not in flow.records.helper_flags else "control",
                                             guard)
-            outside = model.kind in vocab.FORWARD_DECIDES and fwd is not None and fwd.decided == "off" and now == "on"
+            outside = model.kind in vocab.FORWARD_DECIDES and not model.sharded and fwd is not None and \
+                fwd.decided == "off" and now == "on"
             tokens.append(Token(model, site, synced, by, outside, misses, loops, shared))
         yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
 

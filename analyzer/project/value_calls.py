@@ -15,8 +15,8 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, GlobalRef, qualified_name
-from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _parameter_sources, _single_device,
-                                                      _strings, _text, _truthy, parameter_default)
+from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _parameter_sources, _sharded,
+                                                      _single_device, _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
@@ -157,7 +157,7 @@ class CallValues:
                 if base in vocab.ACCELERATOR:     # ``class MyAccelerator(accelerate.Accelerator)``
                     return frozenset((Framework("accelerate", site, _accumulates(call)),))
                 if base in vocab.FABRIC:
-                    return frozenset((Framework("fabric", site, "no", _single_device(call)),))
+                    return frozenset((Framework("fabric", site, "no", _single_device(call), _sharded(call)),))
                 if vocab.tail(base) in vocab.SAMPLER_TAILS and base != qual:
                     # ``class ShardAwareSampler(DistributedSampler)``: its order is seeded by ``self.epoch`` too
                     return _sampler(call, site)
@@ -230,7 +230,7 @@ class CallValues:
         if qual in vocab.ACCELERATOR:
             return frozenset((Framework("accelerate", site, _accumulates(call)),))
         if qual in vocab.FABRIC:
-            return frozenset((Framework("fabric", site, "no", _single_device(call)),))
+            return frozenset((Framework("fabric", site, "no", _single_device(call), _sharded(call)),))
         if last in vocab.SCALER_TAILS:
             return frozenset((Scaler(site),))
         if last in vocab.NATIVE_SCALER_TAILS:

@@ -74,6 +74,7 @@ class FrameworkValues:
 
     def _fabric_setup(self, call, attr: str, receiver, scope, module) -> frozenset:
         single = any(isinstance(v, Framework) and v.single for v in receiver)
+        sharded = any(isinstance(v, Framework) and v.sharded for v in receiver)
         items = []
         for i, arg in enumerate(call.args):
             site = site_of(module, call, i)
@@ -82,7 +83,7 @@ class FrameworkValues:
                 items.append(frozenset((Optim(site),)))
             else:
                 self.sites[site] = (arg, scope)
-                items.append(frozenset((Wrapper("fabric", site, single=single),)))
+                items.append(frozenset((Wrapper("fabric", site, single=single, sharded=sharded),)))
         return items[0] if len(items) == 1 else frozenset((Tup(tuple(items)),))
 
 

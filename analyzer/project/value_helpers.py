@@ -173,6 +173,14 @@ def _single_device(call: ast.Call) -> bool:
     return devices is None and isinstance(accelerator, ast.Constant) and accelerator.value == "cpu"
 
 
+def _sharded(call: ast.Call) -> bool:
+    """``Fabric(strategy="fsdp")`` / ``Fabric(strategy=FSDPStrategy(...))``: Fabric's module is FSDP's."""
+    strategy = _kw(call, "strategy")
+    if isinstance(strategy, ast.Constant) and isinstance(strategy.value, str):
+        return strategy.value.startswith("fsdp")
+    return isinstance(strategy, ast.Call) and called_name(strategy) == "FSDPStrategy"
+
+
 def _named(node, words: tuple) -> bool:
     """Does the name (or the called function's name: ``build_optimizer(model)``) say what it is?"""
     if isinstance(node, ast.Call):

@@ -33,6 +33,7 @@ class Wrapper(NamedTuple):
     site: tuple               # (path, line, column[, argument index])
     static_graph: bool = False
     single: bool = False      # Fabric(devices=1): one process, nothing to synchronize
+    sharded: bool = False     # Fabric(strategy="fsdp"): its sync switch is read in the backward, as FSDP's
 
 
 class Obj(NamedTuple):
@@ -55,6 +56,7 @@ class Framework(NamedTuple):
     site: tuple
     accumulates: str          # "yes" | "no" | "unknown": was it given gradient_accumulation_steps?
     single: bool = False
+    sharded: bool = False     # Fabric(strategy="fsdp" / FSDPStrategy(...))
 
 
 class Scaler(NamedTuple):
