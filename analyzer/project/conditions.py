@@ -171,6 +171,13 @@ class Conditions:
             atom, polarity = last.atom, not polarity
         else:
             atom = last
+        if atom is None and isinstance(node, ast.Attribute) and node.attr == "sync_gradients":
+            # ``if accelerator.sync_gradients:``: the very test accelerate's gated step and zero_grad
+            # are made of (micro_step._sync_gradients_atom), one atom for both
+            from synccheck.analyzer.project.micro_step import _sync_gradients_atom
+            atom = _sync_gradients_atom(self.flow)
+            if atom is None:
+                return (TRUE, TRUE)
         if atom is None:
             # what the test's syntax says, read once per test (a loop's tests are read every turn)
             read = self._read.get(id(written))

@@ -301,7 +301,12 @@ def wiped(flow) -> list:
             continue
         # a switch that holds all run (``if self.accum_count == 1: optim.zero_grad()``) wipes every
         # micro-step of the runs where it is on
+        boundary = flow.atoms.by_key.get(("ACCELERATE_SYNC_GRADIENTS",))
         for group, outcomes in pop.groups(NON_BOUNDARY, split=sorted(flow.records.switches)).items():
+            if boundary is not None and pop.managed and group >> boundary.index & 1:
+                # where ``accelerator.sync_gradients`` holds, the micro-step is the window's last: a
+                # zero_grad there that no step follows drops the window on purpose (a NaN skip)
+                continue
             if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
                 for token, kind, resolver in sorted(outcomes, key=repr):
                     out.append((resolver, token, pop, group, False))
