@@ -217,9 +217,11 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
-    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws:
+    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws and (
+            args[0].scaled is not None or not args[0].prov):
         # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided
-        # or not, or not known (a parameter of a function nobody in view calls), as the loss was
+        # or not as the loss was, or not known when nothing says where it came from (a parameter of a
+        # function nobody in view calls). A model's output of unknown scaling is a fresh loss.
         scaled = args[0].scaled
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
 
