@@ -297,8 +297,10 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     # the folders named on the command line are where absolute imports may start too (``from
     # common.trainer import train`` in vqa/function/train.py, run from the repository's top)
     lint_roots = tuple(r for r in components.roots if os.path.isdir(r))
+    # only files named (a pre-commit hook): the project modules they use are not in the lint set
+    single_files = all(os.path.isfile(p) for p in paths)
     jobs_in = [([(e.path, e.text if e.eager else None, e.notebook, e.linted, e.eager, e.imports)
-                 for e in work[i][1]], codes, edits, lint_roots) for i in order]
+                 for e in work[i][1]], codes, edits, lint_roots, single_files) for i in order]
     results = pool.map(_analyse_component, jobs_in, [sizes[i] for i in order])
     for i, (findings, errors, parsed, deps) in zip(order, results):
         key, members = work[i]
@@ -339,7 +341,8 @@ def _analyse_component(args) -> tuple:
             gc.enable()
 
 
-def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: tuple = ()) -> tuple:
+def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: tuple = (),
+                   single_files: bool = False) -> tuple:
     from synccheck.analyzer.parse import parse
     from synccheck.analyzer.project.index import Project
 
@@ -348,6 +351,7 @@ def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: 
     errors: list = []
     parsed_files = []
     project = Project(roots=[os.path.dirname(os.path.abspath(p)) for p, *_ in members] + list(lint_roots))
+    project.single_files = single_files
     parsed = 0
     for path, text, notebook, linted, is_eager, imports in members:
         if not is_eager:

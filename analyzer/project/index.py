@@ -65,6 +65,7 @@ class Project(Resolution):
         self.truncated: set = set()      # importers() queries that matched too many files to parse
         self._searched: set = set()
         self.version = 0                 # bumped at every module added: indexes over modules refresh
+        self.single_files = False        # the lint named files only: the modules they use are not in its set
 
     def offer(self, path: str, text: Optional[str] = None, imports: Optional[list] = None) -> None:
         """Make a file of the lint set available, to be parsed only if the analysis needs it.

@@ -126,7 +126,10 @@ class WrappedModels:
         """Parse the project modules a training file calls into (two imports deep) whose text shards or
         replicates a model in place: ``parallelize_llama(model, mesh)``, or a registry of such helpers
         (``PARALLELIZE[name](model, mesh)``), imported from a file a lint of one file does not name.
-        The wrapping they do is seen only in the modules parsed."""
+        The wrapping they do is seen only in the modules parsed. (A lint of folders has their files in
+        its set already: ``wrapping`` parses those that shard in place.)"""
+        if not self.project.single_files:
+            return
         frontier = [m for m in self.project.modules() if (m.linted or m.context) and "backward(" in m.text
                     and not _WRAPS_ITSELF.search(m.text)]
         seen = {m.path for m in frontier}
