@@ -5,7 +5,8 @@ from __future__ import annotations
 import ast
 import re
 
-from synccheck.analyzer.project.values import Bound, Func, Inst, Obj
+from synccheck.analyzer.project.value_helpers import _class_attrs
+from synccheck.analyzer.project.values import Bound, Func, Inner, Inst, Obj
 
 # a LightningModule's hooks Fabric sends through the wrapper's forward when called on the module it set
 # up (``_FabricModule``), so that DDP's hooks run
@@ -95,3 +96,48 @@ def handed_a_token_count(node: ast.Call) -> bool:
         if name and _TOKEN_COUNT.search(name):
             return True
     return False
+
+
+# -- calls of the module inside a wrapper, and of a model's methods ----------------------------------
+
+def _inner_wrappers(values) -> frozenset:
+    """The DDP / accelerate wrappers whose inner module (``model.module``) is among these values."""
+    return frozenset(v.wrapper for v in values if isinstance(v, Inner) and v.wrapper.kind in ("ddp", "accelerate"))
+
+
+# methods that compute a loss from the model they are handed
+_LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
+# methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
+# (not a hook or an optimizer's: ``model.on_before_optimizer_step(optimizer)``, ``scheduler_step``)
+_FORWARD_METHOD = re.compile(r"^(?!on_|before_|after_)(?:forward\w*|train_step|training_step|compute_loss|"
+                             r"(?!\w*(?:optimizer|optim|scheduler|lr|ema|zero_grad)_step$)\w*_step)$")
+
+
+# what a module's submodules are called, when its class is not one of the project's (SAM's
+# ``image_encoder``, ``prompt_encoder``, ``mask_decoder``; ``backbone``, ``lm_head``, ``text_model``)
+_SUBMODULE_NAME = re.compile(r"(?:^|_)(?:encoders?|decoders?|heads?|backbone|neck|trunk|embeddings?|embedder|blocks?|"
+                             r"layers?|transformer|unet|vae|projector|proj|text_model|vision_model|model|net)(?:$|_)")
+
+
+def _submodule(flow, wrappers: frozenset, attr: str) -> bool:
+    """Is ``attr`` of the module inside these wrappers one of its submodules: an attribute a class of
+    it stores (``self.encoder = Encoder()``), not a method; or, for a class we cannot read, a name
+    submodules have? (``model.module.visualize(...)``, ``model_without_ddp.flops()`` are not.)"""
+    known = False
+    for w in wrappers:
+        for v in flow.values.wrapped_by(w):
+            if not isinstance(v, Inst):
+                continue
+            known = True
+            for klass in flow.project.mro(v.cls):
+                if attr in klass.methods:
+                    return False
+                if attr in _class_attrs(flow.values, klass):
+                    return True
+    return not known and bool(_SUBMODULE_NAME.search(attr)) and not _HOUSEKEEPING.match(attr)
+
+
+# methods of a module (nn.Module's, transformers') named like a submodule: ``resize_token_embeddings``,
+# ``get_input_embeddings``, ``set_decoder``, ``freeze_encoder``
+_HOUSEKEEPING = re.compile(r"_|get_|set_|resize_|tie_|init_|freeze|unfreeze|enable_|disable_|prune_|save|load|"
+                           r"register|reset|print|num_")
