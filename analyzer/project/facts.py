@@ -16,6 +16,8 @@ condition, which excludes the synced case on the boundary, does.
 """
 from __future__ import annotations
 
+import ast
+
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -127,11 +129,17 @@ class Population:
         # (Not for a model whose sync is managed by hand, local SGD's parameter averaging: its step is
         # not gated, and a zero_grad after it wipes nothing of a window.)
         hand = flow.program.managed_models()
+        all_records = records
         records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
                    or (r[1] == "wiped" and _gated_window(r[0], hand) and not r[0].shared)]
         # a zero_grad outside the micro-steps' loop (at the top of each epoch) drops an unfinished
         # window at the epoch's end; it does not wipe micro-steps
         records = [r for r in records if r[1] != "wiped" or _inside(flow, r[2], loop)]
+        # A ``zero_grad()`` that is a statement of the loop's own body, after the ``if boundary: step()``
+        # block, wipes each micro-step later in its own iteration: kept apart (wiped() reads them), as
+        # the same wipe where the step came clears what was just stepped
+        self.late_wipes = [r for r in all_records if r[1] == "wiped" and not r[3] and not r[0].shared
+                           and not _gated_window(r[0], hand) and _in_loop_body(flow, r[2], loop)]
         self.records = records
         atoms = len(flow.atoms.atoms)
         self.width_mask = (1 << (1 << atoms)) - 1 if atoms < MAX_ATOMS else -1
@@ -151,7 +159,8 @@ class Population:
         # gradients wiped between iterations under a non-counting gate: steps are skipped, not
         # accumulated, whatever else the paths through the iteration do
         self.accumulating = bool(self.stepped) and (
-            ("superseded" in kinds and (self.periodic or "wiped" not in kinds)) or ("wiped" in kinds and self.periodic))
+            ("superseded" in kinds and (self.periodic or "wiped" not in kinds)) or
+            (("wiped" in kinds or self.late_wipes) and self.periodic))
 
     @property
     def data_parallel(self) -> bool:
@@ -179,6 +188,44 @@ class Population:
 
     def describe(self, group: int) -> str:
         return self.flow.atoms.describe_assignment(group, self.gate)
+
+
+def _late_wipes(flow, pop) -> Optional[tuple]:
+    """(zero_grad site, token, population, group, False) when, in a group of the gate's counting tests
+    where no step comes, every micro-step is wiped later in its own iteration (``zero_grad()`` after the
+    ``if boundary: step()`` block, on every turn); None otherwise."""
+    if not pop.late_wipes or not pop.periodic:
+        return None
+    counting = 0
+    for k in pop.gate:
+        if _periodic(flow.atoms.atoms[k], pop.loop):
+            counting |= 1 << k
+    if not counting:
+        return None
+    stepping = {g & counting for g in pop.groups(("stepped",))}
+    universe = flow.atoms.universe & pop.width_mask
+    by_group: dict = {}
+    for token, kind, resolver, across, guard in pop.records + pop.late_wipes:
+        if kind == "stepped":
+            continue
+        for a in assignments(guard & universe):
+            by_group.setdefault(a & counting, []).append((token, kind, resolver))
+    for group, outcomes in sorted(by_group.items()):
+        if group in stepping:
+            continue
+        if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
+            token, _, resolver = sorted(outcomes, key=repr)[0]
+            return resolver, token, pop, group, False
+    return None
+
+
+def _in_loop_body(flow, site, loop) -> bool:
+    """Is the call at ``site`` a statement of the micro-steps' loop's own body (not inside an ``if``, a
+    ``try`` handler or a nested block): one that runs on every turn?"""
+    info = flow.loop_infos.get(loop)
+    _, node = flow.records.nodes.get(site, (None, None))
+    return info is not None and node is not None and any(
+        isinstance(stmt, ast.Expr) and stmt.value is node for stmt in info.node.body)
 
 
 def _gated_window(token, by_hand) -> bool:
@@ -295,6 +342,10 @@ def wiped(flow) -> list:
     out = []
     for pop in populations(flow):
         if not pop.stepped or not pop.accumulating:
+            continue
+        late = _late_wipes(flow, pop)
+        if late is not None:
+            out.append(late)
             continue
         hand = flow.program.managed_models()
         if not any(kind == "wiped" and (across or _gated_window(t, hand)) for t, kind, _, across, _ in pop.records):
