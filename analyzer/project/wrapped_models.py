@@ -17,7 +17,8 @@ from synccheck.analyzer.project.values import Framework, Inner, Inst, LocalSGD, 
 
 _UNCALLED_NO_SYNC = re.compile(r"\.no_sync\b(?!\s*\()")
 _CALLED_OR_INDEXED = re.compile(r"\b([A-Za-z_]\w*)\s*[(\[]")
-_IN_PLACE_TEXT = re.compile(r"\b(?:fully_shard|replicate)\b")
+# the calls that wrap a model in place (its own module becomes the FSDP2 / composable-DDP module)
+_IN_PLACE = ("fully_shard", "replicate")
 # a training file that builds its wrapper itself needs no helper's in-place wrapping
 _WRAPS_ITSELF = re.compile(r"DistributedDataParallel|FullyShardedDataParallel|\bfully_shard\b|\breplicate\(|"
                            r"\.prepare\(|\.setup\(|\.initialize\(|\bDDP\(|\bFSDP\(")
@@ -100,13 +101,13 @@ class WrappedModels:
         """Obj -> the wrappers built around it (``ddp = DDP(model)``: model's object -> ddp)."""
         if self._wrapping is None:
             self._wrapping = {}
-            names = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "replicate", "prepare",
+            names = {"DistributedDataParallel", "FullyShardedDataParallel", *_IN_PLACE, "prepare",
                      "prepare_model", "setup", "setup_module", "initialize"}
-            in_place = {"fully_shard", "replicate"}
+            in_place = set(_IN_PLACE)
             self._load_wrapping_helpers()
             for module in self.project.modules():
                 for local, (mod, attr, _) in module.imports.items():
-                    if attr in ("DistributedDataParallel", "FullyShardedDataParallel", "fully_shard", "replicate"):
+                    if attr in ("DistributedDataParallel", "FullyShardedDataParallel", *_IN_PLACE):
                         names.add(local)
                         if attr in in_place:
                             in_place.add(local)
@@ -123,11 +124,12 @@ class WrappedModels:
         return self._wrapping
 
     def _load_wrapping_helpers(self) -> None:
-        """Parse the project modules a training file calls into (two imports deep) whose text shards or
-        replicates a model in place: ``parallelize_llama(model, mesh)``, or a registry of such helpers
-        (``PARALLELIZE[name](model, mesh)``), imported from a file a lint of one file does not name.
-        The wrapping they do is seen only in the modules parsed. (A lint of folders has their files in
-        its set already: ``wrapping`` parses those that shard in place.)"""
+        """Parse the project modules a training file that builds no wrapper itself calls into (or indexes,
+        a registry), and the modules those use: two imports deep. One may shard or replicate the model
+        in place (``parallelize_llama(model, mesh)``, ``PARALLELIZE[name](model, mesh)``) from a file a
+        lint of one file does not name, and the wrapping they do is seen only in the modules parsed. (A
+        lint of folders has their files in its set already: ``wrapping`` parses those that shard in
+        place.)"""
         if not self.project.single_files:
             return
         frontier = [m for m in self.project.modules() if (m.linted or m.context) and "backward(" in m.text
@@ -146,8 +148,7 @@ class WrappedModels:
                     if isinstance(sym, ModuleRef) or target is None or target.path in seen:
                         continue
                     seen.add(target.path)
-                    if _IN_PLACE_TEXT.search(target.text) or depth == 0:
-                        following.append(target)
+                    following.append(target)
             frontier = following
 
     def models_of(self, owners) -> frozenset:
