@@ -119,11 +119,10 @@ class _RankChecker(RankTests):
                 node = getattr(stmt, field, None)
                 if isinstance(node, ast.expr):
                     self._calls(node, side, test, scope, found)
-            full: list = []
             if isinstance(stmt, (ast.With, ast.AsyncWith)):
                 for item in stmt.items:
                     self._calls(item.context_expr, side, test, scope, found)
-                full = [m for m in map(_full_state_dict, (item.context_expr for item in stmt.items)) if m]
+            full = _full_state_dict_models(stmt)
             self._full_state_dict.extend(full)
             for field in ("body", "orelse", "finalbody"):
                 block = getattr(stmt, field, None)
@@ -163,8 +162,9 @@ class _RankChecker(RankTests):
             return "state_dict"
         if func.attr == "full_optim_state_dict" or (func.attr == "optim_state_dict" and call.args and
                                                     ast.unparse(call.args[0]) in self._full_state_dict):
-            if isinstance(func.value, (ast.Name, ast.Attribute)) and "FSDP" in ast.unparse(func.value) or \
-                    "FullyShardedDataParallel" in ast.unparse(func.value):
+            receiver = ast.unparse(func.value)
+            if isinstance(func.value, (ast.Name, ast.Attribute)) and "FSDP" in receiver or \
+                    "FullyShardedDataParallel" in receiver:
                 return func.attr
         return None
 
@@ -245,8 +245,7 @@ class _RankChecker(RankTests):
                 if value is not True:
                     self._runs_in(stmt.orelse, fn, binding, out)
                 continue
-            full = [m for m in map(_full_state_dict, (item.context_expr for item in stmt.items)) if m] \
-                if isinstance(stmt, (ast.With, ast.AsyncWith)) else []
+            full = _full_state_dict_models(stmt)
             self._full_state_dict.extend(full)
             for child in children(stmt):
                 if isinstance(child, ast.stmt):
@@ -270,6 +269,13 @@ class _RankChecker(RankTests):
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
 _UNKNOWN = object()
+
+
+def _full_state_dict_models(stmt) -> list:
+    """The models a ``with`` statement puts under ``FSDP.state_dict_type(model, FULL_STATE_DICT)``."""
+    if not isinstance(stmt, (ast.With, ast.AsyncWith)):
+        return []
+    return [m for m in map(_full_state_dict, (item.context_expr for item in stmt.items)) if m]
 
 
 def _full_state_dict(node) -> Optional[str]:
