@@ -169,20 +169,13 @@ _HARMLESS_METHODS = ("eval", "to", "cuda", "half", "float", "bfloat16", "require
 
 
 def _harmless_use(stmt, name: str) -> bool:
-    """Is every use of ``name`` in ``stmt`` an argument of ``prepare(...)`` (bound back by it) or a call
-    of one of its harmless methods?"""
-    uses = [n for n in walk_no_defs(stmt) if isinstance(n, ast.Name) and n.id == name]
-    allowed = set()
-    for node in walk_no_defs(stmt):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in ("prepare", "prepare_model"):
-                allowed.update(id(a) for a in node.args if isinstance(a, ast.Name) and a.id == name)
-            elif node.func.attr in _HARMLESS_METHODS and isinstance(node.func.value, ast.Name):
-                allowed.add(id(node.func.value))
+    """Is every use of ``name`` in ``stmt`` a call of one of its harmless methods (``head.eval()``), or a
+    rebinding by a ``prepare`` of something else? (A statement that prepares ``name`` itself ends
+    _frozen's walk before this is asked.)"""
+    allowed = {id(node.func.value) for node in walk_no_defs(stmt)
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
+               node.func.attr in _HARMLESS_METHODS and isinstance(node.func.value, ast.Name)}
     prepared = isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
         isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in ("prepare", "prepare_model")
-    for n in uses:
-        if id(n) in allowed or (prepared and isinstance(n.ctx, ast.Store)):
-            continue
-        return False
-    return True
+    return all(id(n) in allowed or (prepared and isinstance(n.ctx, ast.Store))
+               for n in walk_no_defs(stmt) if isinstance(n, ast.Name) and n.id == name)
