@@ -8,6 +8,12 @@ import re
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import Bound, Func, Inner, Inst, Obj
 
+def sets_sync_flag(call: ast.Call) -> bool:
+    """``setattr(net, "require_backward_grad_sync", sync)``: DDP's flag, written as an assignment would."""
+    return isinstance(call.func, ast.Name) and call.func.id == "setattr" and len(call.args) == 3 and \
+        isinstance(call.args[1], ast.Constant) and call.args[1].value == "require_backward_grad_sync"
+
+
 # a LightningModule's hooks Fabric sends through the wrapper's forward when called on the module it set
 # up (``_FabricModule``), so that DDP's hooks run
 FABRIC_REDIRECTED = frozenset(("training_step", "validation_step", "test_step", "predict_step"))

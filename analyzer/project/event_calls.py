@@ -14,8 +14,8 @@ from typing import Optional
 
 from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD, FABRIC_REDIRECTED,  # noqa: F401
                                                    _inner_wrappers, _submodule, clears_grads, forward_dispatch,
-                                                   handed_a_token_count, library_training_step, sum_criterion,
-                                                   sum_reduced)
+                                                   handed_a_token_count, library_training_step, sets_sync_flag,
+                                                   sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
@@ -35,9 +35,7 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         factory = FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node),
                               ast.unparse(node))
         return EnvVal(((TRUE, frozenset((factory,))),), recv.prov, recv.scaled)
-    if isinstance(func, ast.Name) and func.id == "setattr" and len(node.args) == 3 and \
-            isinstance(node.args[1], ast.Constant) and node.args[1].value == "require_backward_grad_sync":
-        # ``setattr(net, "require_backward_grad_sync", sync)``: DDP's flag, as an assignment writes it
+    if sets_sync_flag(node):
         recv = expr(flow, node.args[0], st, fr)
         value = expr(flow, node.args[2], st, fr)
         flag(flow, node, flow.program.wrappers(recv.values), _cond_of(flow, value, node.args[2], st, fr), st, fr)

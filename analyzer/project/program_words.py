@@ -10,6 +10,7 @@ import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.call_kinds import sets_sync_flag
 from synccheck.analyzer.project.index import Class, Function, GlobalRef
 from synccheck.analyzer.project.traversal import walk_no_defs
 
@@ -55,8 +56,7 @@ class Words:
                         out.add(name)
                     elif name in WRAP_CALLS:
                         out.add("wrap")
-                    elif name == "setattr" and len(node.args) == 3 and isinstance(node.args[1], ast.Constant) and \
-                            node.args[1].value == "require_backward_grad_sync":
+                    elif sets_sync_flag(node):
                         out.add("require_backward_grad_sync")
                     targets = self.syntactic_targets(node, scope)
                     if targets is None:
