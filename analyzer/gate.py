@@ -50,11 +50,11 @@ LOOP_WORDS = (".backward(", "zero_grad(", "no_sync", "accumulate(", "require_bac
 # a script whose loop drives a trainer defined elsewhere: ``trainer.mlm_step(batch)``, ``train_one_epoch(...)``.
 # The same calls twice on purpose: substrings on the raw bytes of every file (cheap), the regex only on
 # the decoded text of the files that pass them.
-# ``model_engine.step(batch)``: a training engine's step, which runs the micro-step (cramming)
-DRIVER_WORDS = (b"_step(", b"fit_batch(", b"train_batch(", b"train_one_epoch(", b"train_epoch(", b"engine.step(",
-                b"trainer.step(", b"learner.step(")
-DRIVER_CALL = re.compile(r"\w_step\(|fit_batch\(|train_batch\(|train_one_epoch\(|train_epoch\(|"
-                         r"(?:engine|trainer|learner)\.step\(")
+# (``model_engine.step(batch)``: a training engine's step, which runs the micro-step: cramming)
+_DRIVERS = ("fit_batch(", "train_batch(", "train_one_epoch(", "train_epoch(", "engine.step(", "trainer.step(",
+            "learner.step(")
+DRIVER_WORDS = (b"_step(",) + tuple(w.encode() for w in _DRIVERS)
+DRIVER_CALL = re.compile(r"\w_step\(|" + "|".join(map(re.escape, _DRIVERS)))
 _WORD_CHAR = re.compile(r"\w")
 
 
@@ -66,8 +66,7 @@ NOT_DRIVERS = frozenset({"mark_step"})
 def _driver_call(text: str) -> bool:
     """``DRIVER_CALL.search(text) is not None``, with str.find (a regex whose every branch may start at
     any word character is tried at every position of the text), less the calls of NOT_DRIVERS."""
-    if any(w in text for w in ("fit_batch(", "train_batch(", "train_one_epoch(", "train_epoch(", "engine.step(",
-                               "trainer.step(", "learner.step(")):
+    if any(w in text for w in _DRIVERS):
         return True
     at = text.find("_step(", 1)
     while at != -1:
