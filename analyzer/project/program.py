@@ -13,6 +13,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
 from synccheck.analyzer.project.duck import duck_method
+from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function, Project
 from synccheck.analyzer.project.traversal import block_nodes_no_defs, walk, walk_no_defs
 from synccheck.analyzer.project.values import CALL_WORD, Bound, Cls, Func, Inst, Values
@@ -284,11 +285,9 @@ def _engine_process_functions(module) -> set:
     module: each runs once per batch of ``engine.run(loader)``."""
     out = set()
     for node in walk(module.tree):
-        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-            if name.endswith("Engine"):
-                out.add(node.args[0].id)
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name) and \
+                called_name(node).endswith("Engine"):
+            out.add(node.args[0].id)
     return out
 
 

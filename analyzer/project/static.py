@@ -108,7 +108,8 @@ def samplers_without_set_epoch(program) -> list:
     for scope, call in values.calls("set_epoch"):
         if not isinstance(call.func, ast.Attribute):
             continue
-        if _DATASET.search(_last_name(call.func.value)) and "sampler" not in _last_name(call.func.value).lower():
+        last = _last_name(call.func.value)
+        if _DATASET.search(last) and "sampler" not in last.lower():
             continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):

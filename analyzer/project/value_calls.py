@@ -84,11 +84,10 @@ class CallValues:
         if not (isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name)):
             return []
         bound = self.bound_expressions(func.value.id, scope)
-        where = scope
-        if not bound and isinstance(self.project.resolve(self.module_of(scope), func.value.id), GlobalRef):
+        if not bound:
             ref = self.project.resolve(self.module_of(scope), func.value.id)
-            where = ref.module
-            bound = [(v, where) for v in ref.module.globals.get(ref.name, ())]
+            if isinstance(ref, GlobalRef):
+                bound = [(v, ref.module) for v in ref.module.globals.get(ref.name, ())]
         if len(bound) != 1 or not isinstance(bound[0][0], ast.Dict) or not bound[0][0].values or \
                 not all(isinstance(v, ast.Lambda) for v in bound[0][0].values):
             return []

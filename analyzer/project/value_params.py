@@ -206,7 +206,6 @@ class ParameterValues:
         # the callers are in its own module and in the modules that import it
         self.project.importers(fn.module, tuple(names))
         candidates = [c for n in names for c in self.calls(n)]
-
         if fn.cls is not None and fn.node.name == "__call__":
             candidates = []        # called through an instance under any name: no parameter values from calls
         out = []
@@ -248,9 +247,9 @@ class ParameterValues:
             index = self._plain[("registries",)] = (len(modules), table)
         out = []
         for module in index[1].get(fn.node.name, ()):
-            for registry in _registries(module).get(fn.node.name, ()):
-                if self.project.resolve(module, fn.node.name) is not fn:
-                    continue
+            if self.project.resolve(module, fn.node.name) is not fn:
+                continue            # (another function of that name)
+            for registry in _registries(module)[fn.node.name]:
                 self.project.importers(module, (registry,))
                 for other in self.project.modules():
                     if registry + "[" in other.text:
