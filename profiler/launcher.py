@@ -169,10 +169,7 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
         # would have. One that comes before the child exists is sent as soon as it does.
         received.append(signum)
         if spawned:
-            try:
-                os.killpg(spawned[0].pid, signum)
-            except ProcessLookupError:
-                pass
+            _signal_group(spawned[0], signum)
 
     previous = {}
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -194,10 +191,7 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
             raise UsageError(f"cannot run {command[0]}: {exc.strerror or exc}", 126) from None
         spawned.append(child)
         for signum in list(received):
-            try:
-                os.killpg(child.pid, signum)
-            except ProcessLookupError:
-                pass
+            _signal_group(child, signum)
 
         sampler = None
         if opts.sample_path:
@@ -239,6 +233,14 @@ def run(opts: ProfileOptions, *, on_started=None) -> RunResult:
         result.notes.extend(sampler.notes)
     _write_launcher_result(out_dir, session, opts.command, result)
     return result
+
+
+def _signal_group(child, signum: int) -> None:
+    """Send ``signum`` to the child's process group, which may be gone already."""
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def records_worth_keeping(result: RunResult) -> bool:
