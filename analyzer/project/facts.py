@@ -152,7 +152,12 @@ class Population:
         self.gate = [a.index for a in flow.atoms.atoms if depends_on(self.stepped, a.index) and a.first is None]
         # a step gated by a counter (``(i + 1) % n == 0``, the last micro-step, ``micro == accum``)
         # means to accumulate; one gated by any other test (``if should_update(...)``) skips steps
-        self.periodic = any(_periodic(flow.atoms.atoms[k], loop) for k in self.gate) or any(
+        # the gate's counting tests, as bits of an assignment
+        self.counting = 0
+        for k in self.gate:
+            if _periodic(flow.atoms.atoms[k], loop):
+                self.counting |= 1 << k
+        self.periodic = bool(self.counting) or any(
             # one step after the micro-steps' loop (a chunk loop inside the iteration): once per run of it
             kind == "stepped" and _outside(flow, resolver, loop) for _, kind, resolver, _, _ in records)
         kinds = {kind for token, kind, _, across, _ in records if across or _gated_window(token, hand)}
@@ -196,10 +201,7 @@ def _late_wipes(flow, pop) -> Optional[tuple]:
     ``if boundary: step()`` block, on every turn); None otherwise."""
     if not pop.late_wipes or not pop.periodic:
         return None
-    counting = 0
-    for k in pop.gate:
-        if _periodic(flow.atoms.atoms[k], pop.loop):
-            counting |= 1 << k
+    counting = pop.counting
     if not counting:
         return None
     stepping = {g & counting for g in pop.groups(("stepped",))}
