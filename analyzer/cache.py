@@ -1,6 +1,6 @@
 """Results cache: a warm run over an unchanged tree reads no file and parses nothing.
 
-One JSON file per (synccheck version, rule set) under ``.synccheck_cache/``. It remembers, per file,
+One JSON file per (synccheck version, rule set and the analyzer's files) under ``.synccheck_cache/``. It remembers, per file,
 its content hash, whether it holds any word the analysis needs and its import lines (so a warm run
 can form the components without reading it; a file's (mtime, size) says whether that memory can be
 trusted), and per *component* (files analysed together, see imports.py) the findings, keyed by the
@@ -23,6 +23,25 @@ DEFAULT_DIR = ".synccheck_cache"
 MAX_COMPONENTS = 4096
 
 
+ANALYZER_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def code_stamp(folder: str) -> str:
+    """The names, sizes and modification times of the ``.py`` files under ``folder``: what a results
+    cache keyed on the version alone would miss (the analyzer edited in place)."""
+    parts = []
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(names):
+            if name.endswith(".py"):
+                try:
+                    st = os.stat(os.path.join(top, name))
+                except OSError:
+                    continue
+                parts.append(f"{os.path.relpath(os.path.join(top, name), folder)}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
+
+
 def content_key(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -39,8 +58,9 @@ class Cache:
     def __init__(self, directory: str, codes: tuple, edits: bool = True) -> None:
         # "fix1": findings carry their automatic fix since then; older entries would lack it.
         # "lazy": a lint that did not build the fixes' edits (engine.lint(edits=False)) keeps its own
-        ruleset = hashlib.blake2b((",".join(sorted(codes)) + ";fix1" + ("" if edits else ";lazy")).encode(),
-                                  digest_size=8).hexdigest()
+        # and the analyzer's own files: an editable or git install changes them without a new version
+        ruleset = hashlib.blake2b((",".join(sorted(codes)) + ";fix1" + ("" if edits else ";lazy") + ";" +
+                                   code_stamp(ANALYZER_DIR)).encode(), digest_size=8).hexdigest()
         self.file = os.path.join(directory, __version__, f"{ruleset}.json")
         self.directory = directory
         self.files: dict = {}         # path -> [mtime_ns, size, key, gated, imports, eager]

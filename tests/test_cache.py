@@ -81,3 +81,19 @@ def test_an_internal_error_costs_only_its_component(tmp_path, monkeypatch):
     monkeypatch.setattr(program_module.Program, "flows", real)
     again = lint([str(tmp_path)], jobs=1, cache_dir=cache)
     assert sorted(os.path.basename(f.path) for f in again.findings) == ["boom.py", "good.py"] and not again.errors
+
+
+def test_an_edited_analyzer_does_not_reuse_results(tmp_path, monkeypatch):
+    # an editable or git install changes the analyzer's files without a new version number: results
+    # the old code computed must not be served to the new one
+    from synccheck.analyzer import cache as cache_module
+    code = tmp_path / "analyzer"
+    code.mkdir()
+    (code / "rules.py").write_text("RULES = 1\n")
+    monkeypatch.setattr(cache_module, "ANALYZER_DIR", str(code))
+    (tmp_path / "train.py").write_text(BAD)
+    cache = str(tmp_path / "cache")
+    assert lint([str(tmp_path / "train.py")], cache_dir=cache).parsed == 1
+    assert lint([str(tmp_path / "train.py")], cache_dir=cache).parsed == 0
+    (code / "rules.py").write_text("RULES = 22\n")
+    assert lint([str(tmp_path / "train.py")], cache_dir=cache).parsed == 1

@@ -134,6 +134,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         backward(flow, node, args[0], "loss.backward", st, fr)
         return NONE_VAL
     if attr == "step" and not project_method:
+        if not args and kws.get("optimizer") is not None:
+            args = [kws["optimizer"]]       # ``scaler.step(optimizer=self.optimizer)`` (corenet)
         if any(isinstance(v, Scaler) for v in vals) or (_name(node.func.value).endswith("scaler") and args):
             if args:
                 step(flow, node, args[0].values, st, fr)

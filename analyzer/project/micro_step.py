@@ -159,7 +159,8 @@ def _one_stepper(flow) -> bool:
         names = set()
         for n in walk(flow.root_node):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step":
-                target = n.args[0] if n.args and _name(n.func.value).endswith("scaler") else n.func.value
+                given = n.args[0] if n.args else next((k.value for k in n.keywords if k.arg == "optimizer"), None)
+                target = given if given is not None and _name(n.func.value).endswith("scaler") else n.func.value
                 name = _name(target)
                 if name and not any(w in name for w in ("sched", "lr", "ema", "warmup")):    # (_name lowercases)
                     names.add(name)
