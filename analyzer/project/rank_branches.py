@@ -48,24 +48,32 @@ def collectives_in_rank_branches(program) -> list:
                 # ``__enter__``, the main rank's in ``__exit__``; every rank runs one
                 paired.setdefault(scope.cls.uid, []).extend(found)
                 continue
-            out.extend(_unbalanced(module, found))
+            out.extend(_unbalanced(module, found, checker.guarded))
         for found in paired.values():
-            out.extend(_unbalanced(module, found))
+            out.extend(_unbalanced(module, found, checker.guarded))
     return out
 
 
 _ENTER_EXIT = ("__enter__", "__exit__", "__aenter__", "__aexit__")
 
 
-def _unbalanced(module, found: list) -> list:
+def _unbalanced(module, found: list, guarded=frozenset()) -> list:
     """Collectives that one side of the rank tests runs more often than the other (the download-first
-    idiom runs one barrier on each side, which balances)."""
+    idiom runs one barrier on each side, which balances). ``guarded``: the ids of collectives that run
+    on their side only when a further test holds; where one side's are all guarded so and the other's
+    are not, the guarded ones may not run when the others wait (rank 0 releasing the others' barrier
+    only when the cache is missing, or when it stops early)."""
     out = []
     kinds = {what for _, what, _, _, _ in found}
     for kind in kinds:
         main = [f for f in found if f[1] == kind and f[2] == "main"]
         other = [f for f in found if f[1] == kind and f[2] == "other"]
         if len(main) == len(other):
+            main_guarded = [f for f in main if id(f[0]) in guarded]
+            other_guarded = [f for f in other if id(f[0]) in guarded]
+            if main and (len(main_guarded) == len(main)) != (len(other_guarded) == len(other)):
+                out.extend(RankCollective(module, node, what, test, through)
+                           for node, what, side, test, through in main_guarded + other_guarded)
             continue
         extra = main if len(main) > len(other) else other
         for node, what, side, test, through in extra:
@@ -81,6 +89,13 @@ class _RankChecker(RankTests):
         self._names_bound: dict = {}         # module path -> its names for collectives (_may_name_collective)
         self._attribute_stores: dict = {}    # class uid -> attribute -> [(value, method)] (rank_tests)
         self._full_state_dict: list = []     # the models of the ``with FSDP.state_dict_type(model, FULL_STATE_DICT)`` around
+        self._guarded = 0                    # how many tests other than the ranks' guard the walk here
+        self.guarded: set = set()            # ids of the collectives found under such a test, on one side
+
+    def _extra_condition(self, test, scope) -> bool:
+        """Is ``test`` a rank test joined by ``and`` to a test that is not about the ranks or the job?"""
+        return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and \
+            any(self._sides(v, scope, 0) == (None, None) for v in test.values)
 
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
         for i, stmt in enumerate(stmts):
@@ -95,7 +110,12 @@ class _RankChecker(RankTests):
                     continue
                 if (on_true is not None or on_false is not None) and side is None:
                     text, negated = ast.unparse(stmt.test), _negation(stmt.test)
+                    # ``if rank == 0 and not os.path.exists(cache):``: the main side runs only when
+                    # the cache is missing, which the other side's barrier does not wait for
+                    extra = self._extra_condition(stmt.test, scope)
+                    self._guarded += extra
                     self.walk(stmt.body, on_true, text, scope, found)
+                    self._guarded -= extra
                     self.walk(stmt.orelse, on_false, negated, scope, found)
                     # (a branch that raises is an error check, ``if world_size == 1 and rank != 0: raise``,
                     # not ranks sent another way: no rank is meant to take it)
@@ -110,8 +130,12 @@ class _RankChecker(RankTests):
                         return
                     continue
                 self._calls(stmt.test, side, test, scope, found)
+                # a test that is not the ranks' inside a rank branch: what it guards runs on some turns
+                guarded = side is not None and on_true is None and on_false is None
+                self._guarded += guarded
                 self.walk(stmt.body, side, test, scope, found)
                 self.walk(stmt.orelse, side, test, scope, found)
+                self._guarded -= guarded
                 continue
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
@@ -139,6 +163,8 @@ class _RankChecker(RankTests):
             what = self.collective(node, scope) or self._full_gather(node)
             if what:
                 found.append((node, what, side, test, False))
+                if self._guarded:
+                    self.guarded.add(id(node))
                 continue
             if side is None:
                 continue

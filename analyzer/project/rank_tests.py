@@ -15,7 +15,9 @@ from synccheck.analyzer.project.index import Function
 RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
                        r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
-                       r"is_main|rank_zero|is_master_process|is_chief|ddp_rank)(?![A-Za-z0-9])", re.I)
+                       r"is_main|rank_zero|is_master_process|is_chief|ddp_rank|is_global_main|is_local_main|is_global_master|"
+                       r"is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker)(?![A-Za-z0-9])",
+                       re.I)
 MAIN_WORDS = ("main", "master", "zero", "chief")
 # a test of whether the job is distributed at all: false, there is one process
 DISTRIBUTED_TEST = re.compile(r"distributed|is_initialized|is_dist|world_size|ddp|multi_gpu|n_gpu|num_gpus|"
