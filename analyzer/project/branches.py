@@ -62,6 +62,8 @@ class Branches:
         fr.gate = outer_gate
         exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
         out = self.join([body, orelse], (true, false) if exact else None)
+        if out is not None and body is not None and orelse is not None:
+            _divided_on_one_side(s, body, orelse, out)
         if narrowed and out is not None:
             # ``if isinstance(model, DDP): sd = model.module.state_dict()`` says what the model is
             # inside the branch only: past it, the model is what it was (unless a branch rebinds it)
@@ -158,3 +160,41 @@ def _asks_for_no_sync(node) -> bool:
 def _stored_names(s: ast.If) -> set:
     """Names an ``if`` statement binds in its branches (an assignment, a loop target, a ``with ... as``)."""
     return {n.id for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+
+# a test of the accumulation count (``if gradient_accumulation_steps > 1: loss = loss / ...``): the
+# undivided side is the run without accumulation
+_COUNT_WORDS = re.compile(r"accum|grad_acc|update_freq|micro|gas\b|ga_steps|iters_to|sub_batch|n_chunks|num_chunks",
+                          re.I)
+
+
+def count_guard(test, divided) -> bool:
+    """Does ``test`` ask about the count the statements ``divided`` divide by? A count word in it, or a
+    term of it (a name, ``args.accum``, ``cfg["accum"]``) that their divisors name."""
+    if _COUNT_WORDS.search(ast.unparse(test)):
+        return True
+    terms = {ast.unparse(n) for n in ast.walk(test) if isinstance(n, (ast.Name, ast.Attribute, ast.Subscript))}
+    terms = {t for t in terms if not any(o != t and o.startswith(t) for o in terms)}   # ``args`` of ``args.x``
+    divisors = [n.right for d in divided for n in ast.walk(d) if isinstance(n, ast.BinOp) and
+                isinstance(n.op, (ast.Div, ast.FloorDiv, ast.Mult))]
+    divisors += [d.value for d in divided if isinstance(d, ast.AugAssign) and isinstance(d.op, (ast.Div, ast.Mult))]
+    text = "\n".join(ast.unparse(d) for d in divisors)
+    return any(re.search(r"(?<![\w.])" + re.escape(t) + r"(?![\w\[])", text) for t in terms)
+
+
+def _divided_on_one_side(s: ast.If, body: St, orelse: St, out: St) -> None:
+    """``if rank == 0 and i % log_every == 0: loss = loss / accum``: a loss divided on one side of a test
+    that is not about the accumulation count stays undivided on the other side, where it reaches the
+    backward all the same. (Divided on either side, the joined value counted as divided.)"""
+    for name, value in list(out.env.items()):
+        if value.scaled is not True:
+            continue
+        a, b = body.env.get(name), orelse.env.get(name)
+        if a is None or b is None or {a.scaled, b.scaled} != {True, False}:
+            continue
+        side = s.body if a.scaled else s.orelse
+        divided = [n for stmt in side for n in ast.walk(stmt) if isinstance(n, (ast.Assign, ast.AugAssign)) and
+                   any(isinstance(t, ast.Name) and t.id == name
+                       for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+        if divided and not count_guard(s.test, divided):
+            out.env[name] = value._replace(scaled=False)

@@ -41,6 +41,7 @@ class Frame:
         self.stack = stack
         self.returns: list = []
         self.ret_vals: list = []
+        self.ret_nodes: list = []       # the return statements of ret_vals
         self.loops: list = []
         self.no_grad = no_grad
         self.yield_handler = None

@@ -95,6 +95,11 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
             result = EnvVal(result.alts + tuple(a for a in r.alts if a not in result.alts), result.prov | r.prov,
                             True if (result.scaled or r.scaled) else result.scaled,
                             result.cond if result.cond == r.cond else None)
+        if result.scaled is True and any(r.scaled is False for r in rets) and \
+                _divided_on_a_side(fn, [n for n, r in zip(frame.ret_nodes, rets) if r.scaled is True]):
+            # ``if args.fp16: return scaler.scale(loss / accum)`` ... ``return loss``: undivided on
+            # the other paths
+            result = result._replace(scaled=False)
     else:
         result = NONE_VAL
     st.props = dict(props)
@@ -216,3 +221,30 @@ def _attribute_values(flow, inst: Inst):
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import _COPIES, NONE_VAL, FlowPartial, _val, expr
 from synccheck.analyzer.project.state import origin_of
+
+
+def _divided_on_a_side(fn: Function, returns: list) -> bool:
+    """Is one of these return statements (that divide what they return) on a side of a test that is
+    not about the accumulation count (branches.count_guard)?"""
+    from synccheck.analyzer.project.branches import count_guard
+    tests: dict = {}
+
+    def visit(stmts, test) -> None:
+        for stmt in stmts:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if isinstance(stmt, ast.Return):
+                tests[id(stmt)] = test
+            if isinstance(stmt, ast.If):
+                visit(stmt.body, stmt.test)
+                visit(stmt.orelse, stmt.test)
+                continue
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(stmt, field, None)
+                if isinstance(block, list):
+                    visit(block, test)
+            for handler in getattr(stmt, "handlers", ()):
+                visit(handler.body, test)
+
+    visit(fn.node.body, None)
+    return any(tests.get(id(r)) is not None and not count_guard(tests[id(r)], [r]) for r in returns)

@@ -192,6 +192,7 @@ class Flow(Branches, Loops):
                 return None
             fr.returns.append(st)
             fr.ret_vals.append(value)
+            fr.ret_nodes.append(s)
             return None
         if t is ast.Raise:
             return None
