@@ -30,7 +30,10 @@ WRAPPERS = {
 }
 # Class names that identify a wrapper whatever module they came from (a star import, a re-export
 # through a package we do not index): ``DistributedDataParallel`` is unambiguous.
-WRAPPER_TAILS = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp", "fully_shard": "fsdp2"}
+# OpenMMLab's subclasses of torch's wrappers (mmcv.parallel, mmengine.model) are the same wrappers.
+WRAPPER_TAILS = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp", "fully_shard": "fsdp2",
+                 "MMDistributedDataParallel": "ddp", "MMFullyShardedDataParallel": "fsdp"}
+_WRAPPER_PACKAGES = ("torch.", "fairscale.", "mmcv.", "mmengine.")
 
 # DDP decides at *forward* time whether the next backward all-reduces (``_pre_forward`` prepares the
 # reducer only while ``require_backward_grad_sync`` is true); FSDP reads its switch during backward.
@@ -121,7 +124,7 @@ def wrapper_kind(qualname: str) -> str:
     if kind:
         return kind
     last = tail(qualname)
-    if last in WRAPPER_TAILS and (qualname == last or qualname.startswith(("torch.", "fairscale."))):
+    if last in WRAPPER_TAILS and (qualname == last or qualname.startswith(_WRAPPER_PACKAGES)):
         return WRAPPER_TAILS[last]
     return ""
 
