@@ -14,7 +14,7 @@ from typing import Optional
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores
 from synccheck.analyzer.project.value_helpers import _OUTSIDE_STORE, _class_attrs, _symbol_of, called_name
-from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Bag, Bound, Cls, CtxFactory, Ext,
+from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Bag, Bound, Cls, CtxFactory, Ext, Framework,
                                                     Inner, Inst, Loader, Mod, Obj, Sampler, Super, Unknown, Wrapper,
                                                     _cap, site_of)
 
@@ -89,7 +89,32 @@ class AttributeValues:
         for scope, receiver, value, path in self._outside_stores(attr):
             if inst in self.expr(receiver, scope):
                 out |= self.unpack(self.expr(value, scope), path, value, scope)
+        if not any(isinstance(v, (Wrapper, Framework)) for v in out):
+            # ``model: DistributedDataParallel`` in the class body, or ``self.model: DDP = restore(...)``:
+            # the value is made out of view, the annotation says what it is
+            made = self._annotated_attribute(inst.cls, attr)
+            if made:
+                out = {v for v in out if not isinstance(v, (Obj, Unknown))} | made
         return frozenset(out) or ONE_UNKNOWN
+
+    def _annotated_attribute(self, klass, attr: str) -> frozenset:
+        for k in self.project.mro(klass):
+            for stmt in k.node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == attr:
+                    made = self.annotated(k.module, stmt.annotation, stmt)[0]
+                    if made:
+                        return made
+            for method in k.methods.values():
+                if attr not in k.module.segment(method.node):
+                    continue
+                for node in ast.walk(method.node):
+                    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) and \
+                            node.target.attr == attr and isinstance(node.target.value, ast.Name) and \
+                            method.params and node.target.value.id == method.params[0]:
+                        made = self.annotated(k.module, node.annotation, node)[0]
+                        if made:
+                            return made
+        return EMPTY
 
     def _outside_stores(self, attr: str) -> list:
         """``obj.attr = value`` outside the class's own methods, in the parsed modules."""

@@ -97,8 +97,16 @@ class ParameterValues:
             elif default is None:
                 out.add(UNKNOWN)
         if not callers:
-            out.add(Obj((fn.module.path, node.lineno, node.col_offset, name)))
+            # ``def run(state: TrainState, ...)`` called out of view: an instance of the class it names
+            named = self._annotated_class(fn, name)
+            out.add(Inst(named) if named is not None else Obj((fn.module.path, node.lineno, node.col_offset, name)))
         return frozenset(out)
+
+    def _annotated_class(self, fn: Function, name: str):
+        for arg in fn.node.args.posonlyargs + fn.node.args.args + fn.node.args.kwonlyargs:
+            if arg.arg == name and arg.annotation is not None:
+                return self.annotated(fn.module, arg.annotation, arg)[1]
+        return None
 
     def _concrete(self, classes: list) -> list:
         """The classes an instance of which can run a method: a base that leaves a hook unfilled

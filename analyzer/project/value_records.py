@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 
 from synccheck.analyzer.project.definitions import called_name
-from synccheck.analyzer.project.value_types import Cls, Inst
+from synccheck.analyzer.project.value_types import Cls, Framework, Inst, Obj, Unknown, Wrapper
 
 _RECORD_DECORATORS = frozenset(("dataclass", "define", "frozen", "mutable", "s", "attrs"))
 
@@ -47,9 +47,13 @@ class RecordValues:
                 given = call.args[index]
             if given is not None:
                 out |= self.expr(given, scope)
-        if not out:
-            # built out of view (a CLI parser, a config loader): what its annotation says it holds
+        if not out or not any(isinstance(v, (Wrapper, Framework)) for v in out):
+            # built out of view (a CLI parser, a config loader), or given a value made out of view
+            # (``TrainState(model=init_and_wrap(net))``): what its annotation says it holds
             module, stmt = dict(self.record_fields(klass))[attr]
             made, named = self.annotated(module, stmt.annotation, stmt)
-            out |= made | ({Inst(named)} if named is not None else set())
+            if made:
+                # (what was given is made out of view: the annotation says what it is)
+                out = {v for v in out if not isinstance(v, (Obj, Unknown))}
+            out |= made | ({Inst(named)} if named is not None and not out else set())
         return frozenset(out)
