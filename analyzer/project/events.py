@@ -171,6 +171,9 @@ def expr(flow, node, st, fr) -> EnvVal:
         items = [expr(flow, e, st, fr) for e in node.elts]
         return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items))
     if t is ast.Subscript:
+        chosen = _by_truth(flow, node, fr)
+        if chosen is not None:
+            return expr(flow, chosen, st, fr)
         key = _item_key(node, st)
         if key is not None and key[0] in st.env and st.env[key[0]].origin == ("item of", key[1]):
             return st.env[key[0]]
@@ -282,6 +285,26 @@ def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
     if call is None:
         call = flow.memo[key] = ast.copy_location(ast.Call(node, [], []), node)
     return inline(flow, method, call, receiver, [], {}, st, fr)
+
+
+def _by_truth(flow, node: ast.Subscript, fr):
+    """``{True: nullcontext, False: model.no_sync}[is_last]`` (or a name bound once to such a dict):
+    the conditional expression ``nullcontext if is_last else model.no_sync``, made once per node."""
+    key = ("by truth", id(node))
+    if key in flow.memo:
+        return flow.memo[key]
+    table = node.value
+    if isinstance(table, ast.Name):
+        bound = flow.values.bound_expressions(table.id, fr.scope)
+        table = bound[0][0] if len(bound) == 1 else None
+    chosen = None
+    if isinstance(table, ast.Dict) and len(table.keys) == 2 and all(
+            isinstance(k, ast.Constant) and isinstance(k.value, bool) for k in table.keys) and \
+            {k.value for k in table.keys} == {True, False}:
+        sides = {k.value: v for k, v in zip(table.keys, table.values)}
+        chosen = ast.copy_location(ast.IfExp(test=node.slice, body=sides[True], orelse=sides[False]), node)
+    flow.memo[key] = chosen
+    return chosen
 
 
 _COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict, ast.BinOp)
