@@ -87,6 +87,24 @@ class FrameworkValues:
         return items[0] if len(items) == 1 else frozenset((Tup(tuple(items)),))
 
 
+def _reads_the_plugin(stmt) -> bool:
+    """``accelerator.state.deepspeed_plugin.deepspeed_config["train_batch_size"] = ...`` as a statement of
+    the function's own body: the plugin is None without DeepSpeed, and this would raise (HuatuoGPT-II)."""
+    if isinstance(stmt, (ast.If, ast.Try, ast.With, ast.For, ast.While, ast.FunctionDef, ast.AsyncFunctionDef,
+                         ast.ClassDef)):
+        return False
+    todo = [stmt]
+    while todo:
+        n = todo.pop()
+        if isinstance(n, (ast.IfExp, ast.BoolOp, ast.Lambda)):
+            continue        # (``plugin.config if plugin is not None else {}``: read only where it exists)
+        if isinstance(n, (ast.Attribute, ast.Subscript)) and isinstance(n.value, ast.Attribute) and \
+                n.value.attr == "deepspeed_plugin":
+            return True
+        todo.extend(ast.iter_child_nodes(n))
+    return False
+
+
 def _deepspeed_only(scope) -> bool:
     """Does the scope bind a name only where DeepSpeed runs (``if accelerator.state.deepspeed_plugin is
     not None: gradient_accumulation_steps = ...deepspeed_config["gradient_accumulation_steps"]``) and
@@ -94,6 +112,8 @@ def _deepspeed_only(scope) -> bool:
     only (gpt4all's train.py), whose engine reduces gradients at its own boundary."""
     if not isinstance(scope, Function) or "deepspeed_plugin" not in scope.module.segment(scope.node):
         return False
+    if any(_reads_the_plugin(stmt) for stmt in scope.node.body):
+        return True
     only, elsewhere, inside = set(), set(scope.params), set()
     for node in walk_no_defs(scope.node):
         if isinstance(node, ast.If) and "deepspeed_plugin" in ast.unparse(node.test) and \
