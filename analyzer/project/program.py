@@ -239,6 +239,10 @@ class Program(Words, WrappedModels):
 
     def decides_step(self, stmt: ast.If, fr) -> bool:
         body, orelse = self.words(stmt.body, fr.scope), self.words(stmt.orelse, fr.scope)
+        if "step" in body and "step" in orelse:
+            # ``if use_fp16: ... scaler.step(opt) ... else: ... opt.step()``, each with its own early
+            # ``break``: both sides step, a way out inside them is their own (SLAM-LLM, llama-recipes)
+            return False
         return ("step" in body) != ("step" in orelse) or "exit" in body or "exit" in orelse
 
     def steps_in(self, stmts, fr) -> bool:
