@@ -8,6 +8,7 @@ helper's own rank tests (``zero_first(rank=-1)``).
 from __future__ import annotations
 
 import ast
+from collections import deque
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -157,9 +158,7 @@ class _RankChecker(RankTests):
                 self.walk(handler.body, side, test, scope, found)
 
     def _calls(self, expr, side, test, scope, found: list) -> None:
-        for node in walk(expr):
-            if not isinstance(node, ast.Call):
-                continue
+        for node, side, test in self._sided_calls(expr, side, test, scope):
             what = self.collective(node, scope) or self._full_gather(node)
             if what:
                 found.append((node, what, side, test, False))
@@ -176,6 +175,23 @@ class _RankChecker(RankTests):
                 if runs:
                     found.append((node, sorted(runs)[0], side, test, True))
                     break
+
+    def _sided_calls(self, expr, side, test, scope):
+        """(call, side, test) for the calls in ``expr``; a conditional expression on a rank test
+        (``evaluate(model) if rank == 0 else None``) is a rank branch like an ``if``."""
+        todo = deque([(expr, side, test)])      # (breadth first, as ``walk``)
+        while todo:
+            node, at, said = todo.popleft()
+            if isinstance(node, ast.IfExp) and at is None:
+                on_true, on_false = _ranked(self._sides(node.test, scope, 0))
+                if on_true is not None or on_false is not None:
+                    todo.append((node.test, None, None))
+                    todo.append((node.body, on_true, ast.unparse(node.test)))
+                    todo.append((node.orelse, on_false, _negation(node.test)))
+                    continue
+            if isinstance(node, ast.Call):
+                yield node, at, said
+            todo.extend((child, at, said) for child in children(node))
 
     def _full_gather(self, call: ast.Call) -> Optional[str]:
         """``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:

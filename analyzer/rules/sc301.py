@@ -206,6 +206,29 @@ def _rank_blocks(text: str):
             block.append(line)
             pos = end
         yield "\n".join(block)
+    yield from _rank_conditional_expressions(text)
+
+
+_CONDITIONAL = re.compile(r"[ \t]if[ \t]+(.+?)[ \t]+else\b")
+
+
+def _rank_conditional_expressions(text: str):
+    """``acc = evaluate(model) if rank == 0 else None``: the line of each conditional expression on
+    a rank, up to its ``if`` (the side only that rank runs; the ``else`` side after it)."""
+    seen = set()
+    for word in RANK_WORDS:
+        start = text.find(word)
+        while start != -1:
+            line_start = text.rfind("\n", 0, start) + 1
+            line_end = text.find("\n", start)
+            line_end = len(text) if line_end == -1 else line_end
+            if line_start not in seen:
+                seen.add(line_start)
+                code = text[line_start:line_end].split("#", 1)[0]
+                match = _CONDITIONAL.search(code) if " else" in code else None
+                if match and RANK_TEST.search(match.group(1)) and not code.lstrip().startswith(("if", "elif")):
+                    yield code[:match.start()] + "\n" + code[match.end():]
+            start = text.find(word, line_end)
 
 
 class CollectiveInRankBranch(Rule):
