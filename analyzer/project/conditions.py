@@ -345,6 +345,17 @@ class Conditions:
         if modulus is None:
             name = _name_in_dump(mod[1])
             modulus = self.flow.constant(name, fr) if name else None
+        if modulus is None and mod[1].startswith("Attribute("):
+            # ``(i + 1) % cfg.grad_accum == 0`` with a record field left to its default of 1
+            from synccheck.analyzer.project.values import Const
+            made = _attribute_from_dump(mod[1])
+            if made is not None:
+                for part in ast.walk(made):
+                    ast.copy_location(part, node)
+            vals = self.flow.values.expr(made, fr.scope) if made is not None else ()
+            if len(vals) == 1:
+                (v,) = tuple(vals)
+                modulus = v.value if isinstance(v, Const) and isinstance(v.value, int) else None
         if modulus == 1:
             return True
         return None
@@ -420,6 +431,24 @@ def _parse_dump(dump: str):
     if dump.startswith("Constant(value=") and dump.endswith(")"):
         return dump[len("Constant(value="):-1]
     raise ValueError(dump)
+
+
+_ATTRIBUTE_DUMP = re.compile(r"Attribute\(value=(.*), attr='(\w+)', ctx=Load\(\)\)$")
+
+
+def _attribute_from_dump(dump: str):
+    """``cfg.grad_accum`` (or ``self.cfg.grad_accum``) back from its ``ast.dump``; None for anything else."""
+    match = _ATTRIBUTE_DUMP.match(dump)
+    if match is None:
+        return None
+    inner, attr = match.groups()
+    if inner.startswith("Name(id='"):
+        value = ast.Name(_name_in_dump(inner), ast.Load())
+    else:
+        value = _attribute_from_dump(inner)
+        if value is None:
+            return None
+    return ast.Attribute(value, attr, ast.Load())
 
 
 def _name_in_dump(dump: str) -> Optional[str]:

@@ -4,9 +4,10 @@ of Values (values.py)."""
 from __future__ import annotations
 
 import ast
+import re
 
 from synccheck.analyzer.project.definitions import called_name
-from synccheck.analyzer.project.value_types import Cls, Framework, Inst, Obj, Unknown, Wrapper
+from synccheck.analyzer.project.value_types import Cls, Const, Framework, Inst, Obj, Unknown, Wrapper
 
 _RECORD_DECORATORS = frozenset(("dataclass", "define", "frozen", "mutable", "s", "attrs"))
 
@@ -39,14 +40,24 @@ class RecordValues:
             return frozenset()
         index = fields.index(attr)
         out = set()
+        builders = 0
         for scope, call in self.calls(klass.node.name):
             if not any(isinstance(v, Cls) and v.cls is klass for v in self.expr(call.func, scope)):
                 continue
+            builders += 1
+            if any(kw.arg is None for kw in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
+                builders = -1_000_000      # ``TrainConfig(**vars(args))``: any field may be given
             given = next((kw.value for kw in call.keywords if kw.arg == attr), None)
             if given is None and index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args):
                 given = call.args[index]
             if given is not None:
                 out |= self.expr(given, scope)
+        if not out and builders > 0:
+            # every builder in view leaves the field to its default (``grad_accum: int = 1``): that is
+            # its value, unless the class is also handed to something that may fill it (a CLI parser)
+            default = self._field_default(klass, attr)
+            if default is not None:
+                return default
         if not out or not any(isinstance(v, (Wrapper, Framework)) for v in out):
             # built out of view (a CLI parser, a config loader), or given a value made out of view
             # (``TrainState(model=init_and_wrap(net))``): what its annotation says it holds
@@ -57,3 +68,24 @@ class RecordValues:
                 out = {v for v in out if not isinstance(v, (Obj, Unknown))}
             out |= made | ({Inst(named)} if named is not None and not out else set())
         return frozenset(out)
+
+    def _field_default(self, klass, attr: str):
+        """The literal default of field ``attr``, where the class's name is only ever called, annotated,
+        imported or defined in the parsed modules (not given to ``tyro.cli``, ``HfArgumentParser``,
+        ``dataclasses.replace``...) and no code outside stores the field; else None."""
+        module, stmt = dict(self.record_fields(klass))[attr]
+        if not isinstance(stmt.value, ast.Constant) or not isinstance(stmt.value.value, (int, bool)):
+            return None
+        name = klass.node.name
+        uses = re.compile(r"(?<![\w.])" + re.escape(name) + r"\b(?!\s*[(:\]])")
+        fine = re.compile(r"^\s*(?:from\s+\S+\s+)?import\b|^\s*class\s+" + re.escape(name) + r"\b|[:>]\s*\"?" +
+                          re.escape(name) + r"\b")
+        for m in self.project.modules():
+            if name not in m.text:
+                continue
+            if "replace(" in m.text or f".{attr} =" in m.text or f'"{attr}"' in m.text or f"'{attr}'" in m.text:
+                return None
+            for line in m.text.splitlines():
+                if name in line and uses.search(line) and not fine.search(line):
+                    return None
+        return frozenset((Const(stmt.value.value),))
