@@ -61,15 +61,57 @@ def no_sync_on_unwrapped(program) -> list:
         if call.args and _forwards_through(scope, call, target_node):
             # the whole step uses the unprepared object (a sloppy example, not a half-wrapped loop)
             continue
-        how = _text(module, call)
-        inner = [v for v in target if isinstance(v, Inner)]
-        if inner:
-            out.append(Unwrapped(module, call, how, _binding(program, inner[0].wrapper), "module"))
+        found = _not_the_wrapper(program, module, call, target)
+        if found is not None:
+            out.append(found)
+    # ``ctx = nullcontext if boundary else self.model.no_sync``: the method taken, called later
+    for module, scope, node in _uncalled_no_sync(program):
+        target = values.expr(node.value, scope)
+        if program.wrappers(target) or any(isinstance(v, Unknown) for v in target) and \
+                not any(isinstance(v, (Obj, Inst)) and wrapping.get(v) for v in target):
             continue
-        wrapped = [w for v in target if isinstance(v, (Obj, Inst)) for w in wrapping.get(v, ())]
-        if wrapped:
-            out.append(Unwrapped(module, call, how, _binding(program, sorted(wrapped, key=repr)[0]), "original"))
+        found = _not_the_wrapper(program, module, node, target)
+        if found is not None:
+            out.append(found)
     return out
+
+
+def _not_the_wrapper(program, module, node, target) -> Optional[Unwrapped]:
+    """SC104's finding at ``node`` when ``target`` (what the control names) is the module inside a
+    wrapper or the module a wrapper was built from."""
+    how = _text(module, node)
+    inner = [v for v in target if isinstance(v, Inner)]
+    if inner:
+        return Unwrapped(module, node, how, _binding(program, inner[0].wrapper), "module")
+    wrapped = [w for v in target if isinstance(v, (Obj, Inst)) for w in program.wrapping().get(v, ())]
+    if wrapped:
+        return Unwrapped(module, node, how, _binding(program, sorted(wrapped, key=repr)[0]), "original")
+    return None
+
+
+def _uncalled_no_sync(program) -> list:
+    """(module, scope, attribute) for each ``x.no_sync`` of a linted module that is not called where
+    it is written (a callable kept for a ``with ctx():`` later)."""
+    out = []
+    for module in program.project.linted():
+        if ".no_sync" not in module.text:
+            continue
+        called = {id(n.func) for n in walk(module.tree) if isinstance(n, ast.Call)}
+        for node in walk(module.tree):
+            if isinstance(node, ast.Attribute) and node.attr == "no_sync" and isinstance(node.ctx, ast.Load) and \
+                    id(node) not in called:
+                out.append((module, _scope_at(module, node), node))
+    return out
+
+
+def _scope_at(module, node):
+    """The innermost function of ``module`` whose lines hold ``node``, else the module."""
+    best = None
+    for fn in module.functions.values():
+        if fn.node.lineno <= node.lineno <= (fn.node.end_lineno or fn.node.lineno) and \
+                (best is None or fn.node.lineno >= best.node.lineno):
+            best = fn
+    return best if best is not None else module
 
 
 def _unwrapped_alias(values, scope, target) -> bool:
