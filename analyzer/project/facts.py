@@ -141,6 +141,7 @@ class Population:
         self.late_wipes = [r for r in all_records if r[1] == "wiped" and not r[3] and not r[0].shared
                            and not _gated_window(r[0], hand) and _in_loop_body(flow, r[2], loop)]
         self.records = records
+        self.switches: list = []        # more atoms its findings' groups were told apart by (wasted)
         atoms = len(flow.atoms.atoms)
         self.width_mask = (1 << (1 << atoms)) - 1 if atoms < MAX_ATOMS else -1
         stepped = 0
@@ -192,7 +193,7 @@ class Population:
         return out
 
     def describe(self, group: int) -> str:
-        return self.flow.atoms.describe_assignment(group, self.gate)
+        return self.flow.atoms.describe_assignment(group, list(self.gate) + list(self.switches))
 
 
 def _late_wipes(flow, pop) -> Optional[tuple]:
@@ -322,11 +323,40 @@ def wasted(flow) -> list:
             continue
         if any(t.misses_forward or t.forward_outside for t, *_ in pop.records):
             continue
-        for group, outcomes in pop.groups(NON_BOUNDARY).items():
-            if outcomes and all(t.synced == "on" for t, _, _ in outcomes):
-                for site in sorted({t.site for t, kind, _ in outcomes}):
-                    out.append((site, pop.model, pop, group))
-                break
+        found = _all_synced(pop, pop.groups(NON_BOUNDARY))
+        if found is None:
+            # ``if self.use_amp: with self.sync_ctx(sync): ... else: loss.backward()``: a switch that
+            # holds all run may leave one of its sides without a control
+            switches = _run_switches(flow, pop)
+            found = _all_synced(pop, pop.groups(NON_BOUNDARY, split=switches)) if switches else None
+            if found is not None:
+                pop.switches = switches
+        if found is not None:
+            out.extend(found)
+    return out
+
+
+def _all_synced(pop, groups: dict) -> Optional[list]:
+    for group, outcomes in groups.items():
+        if outcomes and all(t.synced == "on" for t, _, _ in outcomes):
+            return [(site, pop.model, pop, group) for site in sorted({t.site for t, kind, _ in outcomes})]
+    return None
+
+
+def _run_switches(flow, pop) -> list:
+    """Atoms of plain tests that hold all run (``self.use_amp``, ``args.fp16``): not the gate's, not
+    counts, loop turns or ranks, and tested on values the loop does not change."""
+    from synccheck.analyzer.project.branches import _COUNT_WORDS
+    from synccheck.analyzer.project.rank_tests import DISTRIBUTED_TEST, RANK_NAME
+    out = []
+    for atom in flow.atoms.atoms:
+        if atom.index in pop.gate or atom.mod is not None or atom.loop is not None or atom.first is not None:
+            continue
+        versions, volatile = flow.atom_info.get(atom.index, ((), True))
+        if volatile or _COUNT_WORDS.search(atom.text) or RANK_NAME.search(atom.text) or \
+                DISTRIBUTED_TEST.search(atom.text) or "(" in atom.text:
+            continue
+        out.append(atom.index)
     return out
 
 
