@@ -57,8 +57,11 @@ class Branches:
         body_st = self.restrict(st.copy(), true) if true else None
         else_st = self.restrict(st.copy(), false) if false else None
         narrowed = self._narrow(s.test, body_st, else_st, fr)
-        body = self.block(s.body, body_st, fr) if true else None
-        orelse = self.block(s.orelse, else_st, fr) if false else None
+        # ``if cfg.ACCUMULATION_STEPS > 1: ... else: ... % cfg.ACCUMULATION_STEPS == 0``: on the side
+        # where the count is 1, a test modulo it always holds (conditions._fold)
+        one, in_body = _count_is_one(s.test)
+        body = self._with_one(s.body, body_st, fr, one if in_body else None) if true else None
+        orelse = self._with_one(s.orelse, else_st, fr, one if in_body is False else None) if false else None
         fr.gate = outer_gate
         exact = (true & false) == 0 and (true | false) & self.atoms.universe == self.atoms.universe
         out = self.join([body, orelse], (true, false) if exact else None)
@@ -76,6 +79,15 @@ class Branches:
                 else:
                     out.env.pop(name, None)
         return out
+
+    def _with_one(self, stmts, st, fr: Frame, one: Optional[str]):
+        if one is None:
+            return self.block(stmts, st, fr)
+        fr.ones.append(one)
+        try:
+            return self.block(stmts, st, fr)
+        finally:
+            fr.ones.pop()
 
     def _exit_outside_training(self, s: ast.If, fr: Frame) -> bool:
         """``if dataset_n_tokens < minimum: raise ValueError(...)`` before the training loop, or ``if not
@@ -198,3 +210,18 @@ def _divided_on_one_side(s: ast.If, body: St, orelse: St, out: St) -> None:
                        for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
         if divided and not count_guard(s.test, divided):
             out.env[name] = value._replace(scaled=False)
+
+
+def _count_is_one(test) -> tuple:
+    """(the count's text, True) when the test holds exactly where a count of at least 1 is 1
+    (``accum == 1``, ``accum <= 1``, ``accum < 2``); (text, False) when it fails exactly there
+    (``accum > 1``, ``accum >= 2``, ``accum != 1``); (None, None) otherwise."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant) and
+            type(test.comparators[0].value) is int and isinstance(test.left, (ast.Name, ast.Attribute))):
+        return None, None
+    op, n = type(test.ops[0]), test.comparators[0].value
+    if (op, n) in ((ast.Eq, 1), (ast.LtE, 1), (ast.Lt, 2)):
+        return ast.unparse(test.left), True
+    if (op, n) in ((ast.Gt, 1), (ast.GtE, 2), (ast.NotEq, 1)):
+        return ast.unparse(test.left), False
+    return None, None

@@ -345,6 +345,11 @@ class Conditions:
         if modulus is None:
             name = _name_in_dump(mod[1])
             modulus = self.flow.constant(name, fr) if name else None
+        if modulus is None and fr.ones:
+            # inside ``else:`` of ``if cfg.ACCUMULATION_STEPS > 1:`` the count is 1 (Swin's trainer)
+            made = _attribute_from_dump(mod[1]) if mod[1].startswith("Attribute(") else None
+            text = ast.unparse(made) if made is not None else _name_in_dump(mod[1])
+            modulus = 1 if text in fr.ones else None
         if modulus is None and mod[1].startswith("Attribute("):
             # ``(i + 1) % cfg.grad_accum == 0`` with a record field left to its default of 1
             from synccheck.analyzer.project.values import Const

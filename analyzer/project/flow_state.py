@@ -48,6 +48,7 @@ class Frame:
         self.control = None             # (module, call) of the with helper(...) this frame runs for
         self.exitstacks: dict = {}      # ExitStack creation site -> the with statement that owns it
         self.gate = False               # inside a branch that decides whether the optimizer steps
+        self.ones: list = []            # counts known to be 1 here (the ``else`` of ``if accum > 1:``)
 
 
 def _same(a: Optional[St], b: Optional[St]) -> bool:
