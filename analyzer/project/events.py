@@ -206,6 +206,15 @@ def expr(flow, node, st, fr) -> EnvVal:
     if t is ast.UnaryOp:
         inner = expr(flow, node.operand, st, fr)
         return _val(ONE_UNKNOWN, inner.prov, inner.scaled)
+    if t in (ast.GeneratorExp, ast.ListComp, ast.SetComp):
+        # ``sum(loss_dict[k] / accum for k in loss_dict)``: each element's scaling is the whole's
+        prov = frozenset()
+        for gen in node.generators:
+            prov |= expr(flow, gen.iter, st, fr).prov
+            for cond in gen.ifs:
+                expr(flow, cond, st, fr)
+        elt = expr(flow, node.elt, st, fr)
+        return _val(ONE_UNKNOWN, prov | elt.prov, elt.scaled)
     # comprehensions, dicts, f-strings, ...: their calls still happen; provenance is the union
     prov = frozenset()
     for sub in children(node):
