@@ -19,7 +19,7 @@ from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, 
                                                       _single_device, _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
-                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper,
+                                                    NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper, _cap,
                                                     site_of)
 
 
@@ -36,6 +36,12 @@ class CallValues:
             special = self._method(call, func.attr, receiver, scope, module)
             if special is not None:
                 return special
+        if isinstance(func, ast.Name) and func.id == "dict" and not call.args and call.keywords and \
+                all(kw.arg is not None for kw in call.keywords) and self.project.resolve(module, "dict") is None:
+            # ``state = dict(model=model, optimizer=optimizer)``: a dict literal by another name
+            fields = tuple((kw.arg, _cap(self.expr(kw.value, scope))) for kw in call.keywords[:64])
+            items = frozenset().union(*(v for _, v in fields))
+            return frozenset((Bag(_cap(items), True, fields),))
         out = set()
         lam = func if isinstance(func, ast.Lambda) else self._lambda_bound(func, scope)
         if lam is not None and isinstance(lam.body, ast.Call):
