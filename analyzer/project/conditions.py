@@ -333,6 +333,17 @@ class Conditions:
                           [_swap(c, assigns, bound, swapped) for c in node.comparators])
         return out if swapped[0] else None
 
+    def _record_field(self, attribute: ast.Attribute, fr) -> bool:
+        """Is ``cfg.grad_accum`` a field of a record class (a dataclass) on every value of ``cfg``? Only
+        there is a default every builder left alone the value (a constructor parameter's default of 1,
+        in a trainer meant to be configured by whoever builds it, is not folded)."""
+        from synccheck.analyzer.project.values import Inst
+        owners = self.flow.values.expr(attribute.value, fr.scope)
+        values = self.flow.values
+        return bool(owners) and all(isinstance(v, Inst) and any(name == attribute.attr
+                                                                  for name, _ in values.record_fields(v.cls))
+                                    for v in owners)
+
     def _fold(self, node, fr) -> Optional[bool]:
         """``x % 1 == 0`` where the modulus is a constant 1 (accumulation that cannot happen)."""
         mod = mod_form(node)
@@ -357,7 +368,7 @@ class Conditions:
             if made is not None:
                 for part in ast.walk(made):
                     ast.copy_location(part, node)
-            vals = self.flow.values.expr(made, fr.scope) if made is not None else ()
+            vals = self.flow.values.expr(made, fr.scope) if made is not None and self._record_field(made, fr) else ()
             if len(vals) == 1:
                 (v,) = tuple(vals)
                 modulus = v.value if isinstance(v, Const) and isinstance(v.value, int) else None
