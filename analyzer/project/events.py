@@ -131,6 +131,10 @@ def expr(flow, node, st, fr) -> EnvVal:
             scaled = True
         elif left.scaled is False and right.scaled is False:
             scaled = False      # two fresh losses added: still undivided (``main_loss + aux_loss``)
+        elif isinstance(node.op, (ast.Add, ast.Sub)) and {left.scaled, right.scaled} == {True, False} and \
+                (left.prov if left.scaled is False else right.prov):
+            # ``loss_cls + loss_box / accum_steps``: one fresh loss added undivided
+            scaled = False
         else:
             scaled = True if (left.scaled or right.scaled) else (
                 None if (left.scaled is None and not left.prov) and (right.scaled is None and not right.prov) else
