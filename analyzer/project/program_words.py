@@ -71,6 +71,17 @@ class Words:
                     out.add("no_sync")           # ``maybe_no_sync = model.no_sync``, entered later
         return frozenset(out)
 
+    def _subclass_methods(self, klass, name: str) -> list:
+        from synccheck.analyzer.project.value_helpers import _class_attrs
+        if any(name in _class_attrs(self.values, k) for k in self.project.mro(klass)):
+            return []
+        out = []
+        for sub in self.project.subclasses(klass):
+            method = self.project.attribute(sub, name)
+            if isinstance(method, Function) and not method.is_property and method not in out:
+                out.append(method)
+        return out
+
     def syntactic_targets(self, call: ast.Call, scope) -> Optional[list]:
         """The project functions a call names, from syntax and the index alone: ``f()``, ``self.m()``,
         ``module.f()``, ``Class()``. None when the callee is a value (a parameter, ``self.model``)."""
@@ -111,6 +122,12 @@ class Words:
                     return out or [found]
                 if isinstance(found, Function):
                     return [found]
+                if found is None:
+                    # ``self.run_step()`` in a base class that leaves it to its subclasses without a stub
+                    # (detectron2's TrainerBase.train): what runs is theirs, unless it is an attribute
+                    subs = self._subclass_methods(scope.cls, func.attr)
+                    if subs:
+                        return subs
                 return None                      # self.model(...): an attribute, maybe a wrapper
             if isinstance(base, ast.Name) and isinstance(scope, Function) and \
                     base.id in self.values.info(scope).assigns:

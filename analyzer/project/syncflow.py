@@ -32,6 +32,7 @@ from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
 from synccheck.analyzer.project.value_calls import made_per_call
+from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, site_of
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
@@ -325,13 +326,34 @@ class Flow(Branches, Loops):
                         site = site_of(caller_module, call)
                         self.records.node(site, caller_module, call)
                         return site
-            elif module is not loop_module:
+            elif module is not loop_module and not self._steps_itself(module, node):
                 for caller_module, call in reversed(self.call_stack[depth:]):
                     if caller_module is loop_module:
                         site = site_of(caller_module, call)
                         self.records.node(site, caller_module, call)
                         return site
         return site_of(module, node)
+
+    def _steps_itself(self, module, node) -> bool:
+        """Does the function of ``module`` holding ``node`` step the optimizer too (detectron2's
+        ``AccumTrainer.run_step``, called by the base class's loop)? The micro-step and its schedule are
+        that function's: an event there is reported where it is."""
+        line = getattr(node, "lineno", None)
+        best = None
+        for fn in module.functions.values():
+            if line is not None and fn.node.lineno <= line <= (fn.node.end_lineno or fn.node.lineno) and \
+                    (best is None or fn.node.lineno >= best.node.lineno):
+                best = fn
+        if best is None or not {"step", "backward"} <= self.program.fn_words(best):
+            return False
+        # its own schedule: a test of its own (``(self.iter + 1) % self.accum_iters == 0``), not a
+        # flag it was handed (a loss scaler's ``if update_grad:``)
+        params = set(best.params)
+        for stmt in walk_no_defs(best.node):
+            if isinstance(stmt, ast.If) and "step" in self.program.words(stmt.body, best) and \
+                    not (isinstance(stmt.test, ast.Name) and stmt.test.id in params):
+                return True
+        return False
 
     def version(self, name: str, st: St):
         value = st.env.get(name)

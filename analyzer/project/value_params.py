@@ -76,7 +76,13 @@ class ParameterValues:
         if fn.is_method and index == 0:
             if any(called_name(d) == "classmethod" for d in node.decorator_list):
                 return frozenset(Cls(k) for k in self.project.subclasses(fn.cls))
-            return frozenset(Inst(k) for k in self._concrete(self.project.subclasses(fn.cls)))
+            concrete = self._concrete(self.project.subclasses(fn.cls))
+            if len(concrete) > 1 and fn.node.name not in ("__init__", "__call__"):
+                # ``TrainerBase.train`` where only ``AccumTrainer(...)`` is ever built: a class nobody
+                # builds (``SimpleTrainer``, whose ``run_step`` steps every time) runs no method here
+                made = [k for k in concrete if self._made(k, load=True)]
+                concrete = made or concrete
+            return frozenset(Inst(k) for k in concrete)
         out = set()
         annotation = self._annotation(fn, name)
         if annotation:
@@ -120,12 +126,13 @@ class ParameterValues:
             concrete = [k for k in classes if self._made(k)]
         return concrete or classes
 
-    def _made(self, klass) -> bool:
-        """Is the class called by its name somewhere in the parsed modules (``CTCTrainer(model, ...)``)?"""
+    def _made(self, klass, load: bool = False) -> bool:
+        """Is the class called by its name somewhere in the parsed modules (``CTCTrainer(model, ...)``)?
+        ``load``: the catalogued files that say its name are parsed first."""
         name = klass.node.name
         return any(isinstance(call.func, ast.Name) and call.func.id == name or
                    isinstance(call.func, ast.Attribute) and call.func.attr == name
-                   for _, call in self.calls(name))
+                   for _, call in self.calls(name, load=load))
 
     def _leaves_a_hook(self, klass) -> bool:
         key = ("leaves a hook", klass.uid)
@@ -234,12 +241,28 @@ class ParameterValues:
                     if shift is not None:
                         out.append((scope, call, shift))
                         break
+        if fn.cls is not None and fn.node.name == "__init__":
+            # ``super().__init__(model, data_loader, optimizer)`` in a subclass's own __init__ (detectron2's
+            # ``AccumTrainer(SimpleTrainer)``): the base's parameters get what the subclass hands on
+            out.extend(self._super_init_calls(fn))
         if fn.cls is None:
             # a function kept in a module's registry (``PARALLELIZE = {"llama": parallelize_llama}``) is
             # called through it: ``PARALLELIZE[cfg.model](model, mesh)``
             out.extend((scope, call, 0) for scope, call in self._registry_calls(fn)[:MAX_CALLERS])
         self._plain[key] = tuple(out)
         return self._plain[key]
+
+    def _super_init_calls(self, fn: Function) -> list:
+        out = []
+        for k in self.project.subclasses(fn.cls):
+            init = k.methods.get("__init__")
+            if init is None or init is fn or self.project.method_after(k, k, "__init__") is not fn:
+                continue
+            for node in walk_no_defs(init.node):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__" \
+                        and isinstance(node.func.value, ast.Call) and called_name(node.func.value) == "super":
+                    out.append((init, node, 1))
+        return out[:MAX_CALLERS]
 
     def _registry_calls(self, fn: Function) -> list:
         index = self._plain.get(("registries",))
