@@ -47,6 +47,11 @@ def no_sync_on_unwrapped(program) -> list:
             continue
         if program.wrappers(target):
             continue
+        if inner and isinstance(target_node, ast.Attribute) and target_node.attr == "module":
+            # ``model.module.no_sync()`` on a model wrapped only ``if RANK != -1:``: where there is a
+            # wrapper this is the module inside it (and where there is none, ``.module`` fails)
+            out.append(Unwrapped(module, call, _text(module, call), _binding(program, inner[0].wrapper), "module"))
+            continue
         holder = _holds_wrapper(program, scope, target_node) if call.args else None
         if holder is not None:
             # ``model = Denoiser(prepared)``; ``accelerator.accumulate(model)``: the object named holds
