@@ -17,6 +17,7 @@ condition, which excludes the synced case on the boundary, does.
 from __future__ import annotations
 
 import ast
+import re
 
 from typing import NamedTuple, Optional
 
@@ -343,6 +344,11 @@ def _all_synced(pop, groups: dict) -> Optional[list]:
     return None
 
 
+# a switch about the wrapper or its sync (``has_no_sync``, ``args.data_parallel in ["sdp", "fsdp"]``)
+# decides whether there is a control to use: its other side has none to forget
+_WRAPPER_WORDS = re.compile(r"sync|parallel|ddp|fsdp|sdp|shard|strateg|deepspeed|zero|accelerat|fabric|wrap", re.I)
+
+
 def _run_switches(flow, pop) -> list:
     """Atoms of plain tests that hold all run (``self.use_amp``, ``args.fp16``): not the gate's, not
     counts, loop turns or ranks, and tested on values the loop does not change."""
@@ -354,10 +360,25 @@ def _run_switches(flow, pop) -> list:
             continue
         versions, volatile = flow.atom_info.get(atom.index, ((), True))
         if volatile or _COUNT_WORDS.search(atom.text) or RANK_NAME.search(atom.text) or \
-                DISTRIBUTED_TEST.search(atom.text) or "(" in atom.text:
+                DISTRIBUTED_TEST.search(atom.text) or _WRAPPER_WORDS.search(atom.text) or "(" in atom.text:
             continue
-        out.append(atom.index)
+        if _chooses_the_backward(flow, pop, atom.index):
+            out.append(atom.index)
     return out
+
+
+def _chooses_the_backward(flow, pop, k: int) -> bool:
+    """Do the micro-steps where atom k holds run other backwards than where it fails (``if use_amp:
+    scaler.scale(loss).backward() else: loss.backward()``)? A switch that only picks a VAE or a log
+    line tells no micro-steps apart."""
+    universe = flow.atoms.universe & pop.width_mask
+    sides: tuple = (set(), set())
+    for token, kind, _, _, guard in pop.records:
+        if kind not in NON_BOUNDARY:
+            continue
+        for a in assignments(guard & universe):
+            sides[a >> k & 1].add(token.site)
+    return bool(sides[0]) and bool(sides[1]) and sides[0] != sides[1]
 
 
 def _is_flag(flow, site) -> bool:
