@@ -129,6 +129,9 @@ class Conditions:
             if value.cond is not None:
                 return value.cond
         if t is ast.Call:
+            decided = self._type_test_by_paths(node, st, fr)
+            if decided is not None:
+                return decided
             value = self.flow.expr(node, st, fr)
             if value.cond is not None:
                 return value.cond
@@ -332,6 +335,34 @@ class Conditions:
         out = ast.Compare(_swap(node.left, assigns, bound, swapped), node.ops,
                           [_swap(c, assigns, bound, swapped) for c in node.comparators])
         return out if swapped[0] else None
+
+    def _type_test_by_paths(self, node: ast.Call, st, fr) -> Optional[tuple]:
+        """``isinstance(model, DDP)`` where ``model`` is the wrapper on some paths and a plain module on
+        the others (``if is_dist(): model = DDP(model)``): true exactly on the paths of the wrapper,
+        not a test of its own (which would let a run be distributed with an unwrapped model)."""
+        if not (isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2 and
+                isinstance(node.args[0], ast.Name)):
+            return None
+        known = st.env.get(node.args[0].id)
+        if known is None or len(known.alts) < 2:
+            return None
+        from synccheck.analyzer.project import vocabulary as vocab
+        from synccheck.analyzer.project.values import Ext, Inst, Obj, Tup, Wrapper
+        classes = self.flow.values.expr(node.args[1], fr.scope)
+        classes = frozenset(x for v in classes for x in (frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
+        kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
+        if not kinds or "" in kinds or not kinds <= {"ddp", "fsdp"}:
+            return None
+        true = false = FALSE
+        for guard, values in known.alts:
+            if values and all(isinstance(v, Wrapper) and v.kind in kinds for v in values):
+                true |= guard
+            elif values and all(isinstance(v, (Obj, Inst)) and not self.flow.program.wrappers(frozenset((v,)))
+                                for v in values):
+                false |= guard
+            else:
+                return None
+        return true, false
 
     def _record_field(self, attribute: ast.Attribute, fr) -> bool:
         """Is ``cfg.grad_accum`` a field of a record class (a dataclass) on every value of ``cfg``? Only
