@@ -318,6 +318,49 @@ def lightning_static_graph_accumulation(program) -> list:
     return out
 
 
+def accelerate_static_graph_accumulation(program) -> list:
+    """``Accelerator(gradient_accumulation_steps=n, kwargs_handlers=[DistributedDataParallelKwargs(
+    static_graph=True)])`` with ``accelerator.accumulate(model)``: accelerate runs the micro-steps off
+    the boundary under ``no_sync``, the very first one included (SC106; accelerate#3679)."""
+    values = program.values
+    out = []
+    for scope, call in values.calls("Accelerator"):
+        module = values.module_of(scope)
+        if not module.linted or ".accumulate(" not in module.text:
+            continue
+        callee = values.expr(call.func, scope)
+        if not any(isinstance(v, Ext) and v.qualname.startswith("accelerate") for v in callee):
+            continue
+        info = values.info(scope)
+        accumulate = _keyword_argument(call, "gradient_accumulation_steps", info)
+        if accumulate is None or (isinstance(accumulate, ast.Constant) and accumulate.value in (0, 1, None)):
+            continue
+        for node in _handlers(_keyword_argument(call, "kwargs_handlers", info), info):
+            if called_name(node) == "DistributedDataParallelKwargs" and any(
+                    k.arg == "static_graph" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords):
+                # reported where the micro-steps go under no_sync: the ``accumulate(...)`` of this file
+                entered = sorted((c for s, c in values.calls("accumulate") if values.module_of(s) is module),
+                                 key=lambda c: (c.lineno, c.col_offset))
+                out.append(LightningStaticGraph(module, entered[0] if entered else node, call))
+                break
+    return out
+
+
+def _handlers(node, info, depth: int = 0) -> list:
+    """The calls a ``kwargs_handlers=`` list holds, through names bound once in the function."""
+    if node is None or depth > 3:
+        return []
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [c for e in node.elts for c in _handlers(e, info, depth + 1)]
+    if isinstance(node, ast.Call):
+        return [node]
+    if isinstance(node, ast.Name):
+        return [c for value, path in info.assigns.get(node.id, ()) if not path
+                for c in _handlers(value, info, depth + 1)]
+    return []
+
+
 def _keyword_argument(call: ast.Call, name: str, info, depth: int = 0):
     """The expression given for keyword ``name``: spelled out, or inside a ``**cfg`` whose dict is
     built in this function (``dict(...)`` or ``{...}``, then ``cfg.update(more)``)."""

@@ -82,7 +82,8 @@ class StaticGraphNoSync(Rule):
     def check(self, ctx):
         from synccheck.analyzer.project.facts import first_iteration_off
 
-        from synccheck.analyzer.project.static import lightning_static_graph_accumulation
+        from synccheck.analyzer.project.static import (accelerate_static_graph_accumulation,
+                                                       lightning_static_graph_accumulation)
 
         for found in lightning_static_graph_accumulation(ctx.program):
             ctx.report(self, found.module, found.node,
@@ -90,6 +91,13 @@ class StaticGraphNoSync(Rule):
                        "the micro-steps before each optimizer step under no_sync, the very first one included, "
                        "and DDP's reducer fails an internal assert (pytorch#143580)",
                        "drop static_graph=True, or do not accumulate with this strategy")
+        for found in accelerate_static_graph_accumulation(ctx.program):
+            ctx.report(self, found.module, found.node,
+                       "`DistributedDataParallelKwargs(static_graph=True)` with gradient accumulation: "
+                       "`accelerator.accumulate()` runs the micro-steps before each boundary under no_sync, "
+                       "the very first one included, and DDP's reducer fails an internal assert "
+                       "(pytorch#143580, accelerate#3679)",
+                       "drop static_graph=True, or do not accumulate with it")
         for flow in ctx.flows:
             for site, model, by in first_iteration_off(flow):
                 module, node = ctx.node(flow, by)
