@@ -36,7 +36,9 @@ def accumulate_without_steps(program) -> list:
             continue
         receiver = values.expr(call.func.value, scope)
         frameworks = [v for v in receiver if isinstance(v, Framework) and v.kind == "accelerate"]
-        if not frameworks or any(v.accumulates != "no" or v in configured for v in frameworks):
+        # (one of several: ``if args.with_tracking: Accelerator(gradient_accumulation_steps=n, ...)`` /
+        # ``else: Accelerator()`` leaves the default run without accumulation)
+        if not frameworks or all(v.accumulates != "no" or v in configured for v in frameworks):
             continue
         if any(not isinstance(v, Framework) for v in receiver):
             continue
