@@ -253,6 +253,8 @@ class Conditions:
             return
         found = self.flow.counter_loop(ast.dump(left), fr)
         if found is None:
+            found = self._step_count(left.id, fr)
+        if found is None:
             return
         loop, start = found
         # what the test says on the first iteration (``i > 0``: false there, as ``i != 0`` is)
@@ -265,6 +267,34 @@ class Conditions:
         # (``micro > 0``: true on every iteration but the first, so on the last one)
         if last is not None and ((op is ast.Gt and right.value == start) or (op is ast.GtE and right.value == start + 1)):
             self.atoms.universe &= ~(~MASKS[atom.index] & MASKS[last.index]) & TRUE
+
+    @staticmethod
+    def _step_count(name: str, fr) -> Optional[tuple]:
+        """(the outermost running loop, the count's first value) for ``global_step``: bound once to an
+        int before that loop and otherwise only moved on (``global_step += 1``) inside it. On that
+        loop's first iteration it still has its first value (``... or global_step == 0`` syncs the very
+        first micro-step)."""
+        if not fr.loops or not isinstance(fr.scope, Function):
+            return None
+        outer = fr.loops[0].info
+        start = None
+        for node in ast.walk(fr.scope.node):
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+                if start is not None or not (isinstance(node.value, ast.Constant) and type(node.value.value) is int) \
+                        or node.lineno >= outer.node.lineno:
+                    return None
+                start = node.value.value
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+                if not (isinstance(node.op, ast.Add) and isinstance(node.value, ast.Constant) and
+                        type(node.value.value) is int and node.value.value > 0 and
+                        outer.node.lineno <= node.lineno <= (outer.node.end_lineno or outer.node.lineno)):
+                    return None
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.withitem, ast.NamedExpr, ast.AnnAssign)) and \
+                    any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
+                        for n in ast.walk(getattr(node, "target", None) or getattr(node, "optional_vars", None)
+                                          or ast.Pass())):
+                return None
+        return (outer.id, start) if start is not None else None
 
     @staticmethod
     def _stable(names, st):
