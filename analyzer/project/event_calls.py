@@ -301,6 +301,10 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         for target in fn_vals:
             if isinstance(target, (Func, Bound, Cls, Inst)):
                 out = _call_target(flow, node, target, None, list(p_args) + list(args), {**p_kws, **kws}, st, fr)
+            elif isinstance(target, SyncSetter) and not p_args and args and node.args:
+                # ``set_sync(micro_idx == 0)`` made by ``partial(model.set_requires_gradient_sync, ...)``
+                flag(flow, node, target.models, _cond_of(flow, args[0], node.args[0], st, fr), st, fr)
+                out = NONE_VAL
             elif isinstance(target, FlowFactory):
                 # ``partial(model.no_sync)``, ``partial(accelerator.no_sync, model)``: the control, on the
                 # model the partial was given when the factory itself names none
@@ -378,8 +382,8 @@ def _call_lambda(flow, lam: ast.Lambda, args, kws, st, fr) -> EnvVal:
 
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
-from synccheck.analyzer.project.events import (FlowCtx, FlowFactory, FlowHelper, FlowPartial, _cond_of, _property_test,
-                                               _prov, _val, expr)
+from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, SyncSetter,
+                                               _cond_of, _property_test, _prov, _val, expr)
 from synccheck.analyzer.project.inlining import _held_models, inline
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
 from synccheck.analyzer.project.micro_step import (backward, flag, forward, inner_forward, step as micro_step,

@@ -46,7 +46,14 @@ def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
         return _val(frozenset((FlowCtx("exitstack", frozenset(), site),)))
     if qual in ("functools.partial", "partial") and args:
         key = id(node)
-        flow.partials[key] = (args[0].values, tuple(args[1:]), dict(kws))
+        target = node.args[0] if node.args else None
+        if isinstance(target, ast.Attribute) and target.attr == "set_requires_gradient_sync":
+            # ``partial(model.set_requires_gradient_sync, recurse=True)``: FSDP2's switch, set when called
+            receiver = expr(flow, target.value, st, fr)
+            flow.partials[key] = (frozenset((SyncSetter(flow.program.wrappers(receiver.values)),)),
+                                  tuple(args[1:]), dict(kws))
+        else:
+            flow.partials[key] = (args[0].values, tuple(args[1:]), dict(kws))
         return _val(frozenset((FlowPartial(key),)))
     if qual in vocab.NO_GRAD:
         return _val(frozenset((FlowCtx("nograd", frozenset(), site),)))
@@ -348,6 +355,7 @@ def _name(node) -> str:
 
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
-from synccheck.analyzer.project.events import NONE_VAL, FlowCtx, FlowPartial, _cond_of, _prov, _text, _val
+from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowPartial, SyncSetter, _cond_of, _prov, _text, _val,
+                                               expr)
 from synccheck.analyzer.project.micro_step import backward, collective, flag, forward, step, zero_grad
 from synccheck.analyzer.project.sync_control import push_controls

@@ -54,6 +54,11 @@ class FlowPartial(NamedTuple):
     key: int
 
 
+class SyncSetter(NamedTuple):
+    """``model.set_requires_gradient_sync`` taken as a value (``functools.partial`` of it)."""
+    models: frozenset
+
+
 NONE_VAL = EnvVal(((TRUE, frozenset((Const(None),))),))
 _NONE = Const(None)
 _new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
