@@ -326,7 +326,7 @@ class Flow(Branches, Loops):
                         site = site_of(caller_module, call)
                         self.records.node(site, caller_module, call)
                         return site
-            elif module is not loop_module and not self._steps_itself(module, node):
+            elif module is not loop_module and not self._holds_the_micro_step(module, node):
                 for caller_module, call in reversed(self.call_stack[depth:]):
                     if caller_module is loop_module:
                         site = site_of(caller_module, call)
@@ -334,10 +334,12 @@ class Flow(Branches, Loops):
                         return site
         return site_of(module, node)
 
-    def _steps_itself(self, module, node) -> bool:
-        """Does the function of ``module`` holding ``node`` step the optimizer too (detectron2's
-        ``AccumTrainer.run_step``, called by the base class's loop)? The micro-step and its schedule are
-        that function's: an event there is reported where it is."""
+    def _holds_the_micro_step(self, module, node) -> bool:
+        """Does the function of ``module`` holding the backward ``node`` make its own loss and step the
+        optimizer on a schedule of its own (detectron2's ``AccumTrainer.run_step``, called by the base
+        class's loop)? The micro-step is that function's: its backward is reported where it is. (A
+        ``_backward(self, loss)`` helper handed the loop's loss, which steps when due, and a loss scaler
+        handed ``update_grad=``, are reported at the loop's call.)"""
         line = getattr(node, "lineno", None)
         best = None
         for fn in module.functions.values():
@@ -345,6 +347,8 @@ class Flow(Branches, Loops):
                     (best is None or fn.node.lineno >= best.node.lineno):
                 best = fn
         if best is None or not {"step", "backward"} <= self.program.fn_words(best):
+            return False
+        if _loss_is_a_parameter(node, best):
             return False
         # its own schedule: a test of its own (``(self.iter + 1) % self.accum_iters == 0``), not a
         # flag it was handed (a loss scaler's ``if update_grad:``)
@@ -369,6 +373,20 @@ class Flow(Branches, Loops):
             if isinstance(v, Const) and isinstance(v.value, (int, bool)):
                 return v.value
         return None
+
+
+def _loss_is_a_parameter(call, fn) -> bool:
+    """Is the loss of this backward call (``loss.backward()``, ``scaler.scale(loss).backward()``,
+    ``accelerator.backward(loss)``) one of ``fn``'s parameters: a helper handed the micro-step's loss?"""
+    node = call.args[0] if call.args else (call.func.value if isinstance(call.func, ast.Attribute) else None)
+    while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript, ast.BinOp)):
+        if isinstance(node, ast.Call):
+            node = node.args[0] if node.args else (node.func.value if isinstance(node.func, ast.Attribute) else None)
+        elif isinstance(node, ast.BinOp):
+            node = node.left
+        else:
+            node = node.value
+    return isinstance(node, ast.Name) and node.id in fn.params
 
 
 def _lightning_loop(fn) -> ast.For:

@@ -103,8 +103,11 @@ class ParameterValues:
             elif default is None:
                 out.add(UNKNOWN)
         if not callers:
-            # ``def run(state: TrainState, ...)`` called out of view: an instance of the class it names
+            # ``def run(state: TrainState, ...)`` called out of view: an instance of the record class it
+            # names (not of a module class: what is handed in may be that module's wrapper)
             named = self._annotated_class(fn, name)
+            if named is not None and not self.record_fields(named):
+                named = None
             out.add(Inst(named) if named is not None else Obj((fn.module.path, node.lineno, node.col_offset, name)))
         return frozenset(out)
 
