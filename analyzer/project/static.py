@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-from synccheck.analyzer.project.definitions import called_name
+from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
 # SC104's facts live in unwrapped.py; their names stay importable from here
@@ -130,7 +130,18 @@ def samplers_without_set_epoch(program) -> list:
     out = []
     epoch_loop = None         # asked once: nothing below parses or reads a file
     for module, call, sampler, scope in made:
-        if not module.linted or sampler in seeded or sampler in prepared or _seeded_by_epoch(call):
+        if sampler in seeded or sampler in prepared or _seeded_by_epoch(call):
+            continue
+        if not module.linted:
+            # built in a helper module out of the lint (a pre-commit hook given the training loop's
+            # file only): reported at the linted call of the helper that builds it (HydraGNN)
+            at = _linted_caller(values, scope)
+            if at is None or _EVALUATION.search(_assigned_name(module, call)):
+                continue
+            if epoch_loop is None:
+                epoch_loop = _has_epoch_loop(program)
+            if epoch_loop:
+                out.append(UnseededSampler(at[0], at[1], "the sampler", sampler in once))
             continue
         if epoch_loop is None:
             epoch_loop = _has_epoch_loop(program)
@@ -141,6 +152,15 @@ def samplers_without_set_epoch(program) -> list:
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name, sampler in once))
     return out
+
+
+def _linted_caller(values, scope) -> Optional[tuple]:
+    """(module, call) of the first call, in a linted module, of the function ``scope``."""
+    if not isinstance(scope, Function):
+        return None
+    calls = sorted(((values.module_of(s), c) for s, c, _ in values.callers(scope) if values.module_of(s).linted),
+                   key=lambda mc: (mc[0].path, mc[1].lineno))
+    return calls[0] if calls else None
 
 
 def _seeded_by_set_epoch(klass) -> bool:

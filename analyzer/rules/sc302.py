@@ -57,10 +57,9 @@ class SamplerWithoutSetEpoch(Rule):
         for found in samplers_without_set_epoch(ctx.program):
             named = found.name != "the sampler"
             subject = f"`{found.name}` is a DistributedSampler but" if named else "this DistributedSampler is built but"
-            receiver = found.name if named else "the sampler"
             never = "is called only once, before the epoch loop" if found.once else "is never called"
             ctx.report(self, found.module, found.node,
                        f"{subject} set_epoch() {never}: every epoch replays the same order on every rank",
-                       f"call `{receiver}.set_epoch(epoch)` at the start of each epoch (keep the sampler in a variable)"
-                       if not named else f"call `{found.name}.set_epoch(epoch)` at the start of each epoch",
+                       "call the sampler's `set_epoch(epoch)` at the start of each epoch (keep the sampler in a "
+                       "variable)" if not named else f"call `{found.name}.set_epoch(epoch)` at the start of each epoch",
                        autofix=lambda found=found: plan_more.set_epoch(ctx.program, found))
