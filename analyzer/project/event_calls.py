@@ -52,6 +52,12 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         return _val(ONE_UNKNOWN)
     args = [expr(flow, a, st, fr) for a in node.args]
     kws = {kw.arg: expr(flow, kw.value, st, fr) for kw in node.keywords}
+    for kw in node.keywords:
+        if kw.arg is None:
+            # ``loss_fn(**{"net": model, "x": x})`` / ``kwargs = {...}; loss_fn(**kwargs)``: each entry
+            # is a keyword (physicsnemo's corrdiff)
+            for key, value in _spread_dict(flow, kw.value, fr):
+                kws.setdefault(key, expr(flow, value, st, fr))
     if recv is not None and func.attr == "step":
         lib = _library_steppers(flow, recv.values)
         if lib:
@@ -78,6 +84,18 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         # micro-steps (torchtitan, transformers' Trainer): whether 1/N is in it, we cannot tell
         result = result._replace(scaled=None)
     return result
+
+
+def _spread_dict(flow, node, fr) -> list:
+    """(key, value expression) of the dict literal a ``**`` argument spells, or the one a name is
+    bound to once in this function; only entries read from names (no call is evaluated twice)."""
+    if isinstance(node, ast.Name):
+        bound = flow.values.bound_expressions(node.id, fr.scope)
+        node = bound[0][0] if len(bound) == 1 else None
+    if not isinstance(node, ast.Dict) or len(node.keys) > 64:
+        return []
+    return [(k.value, v) for k, v in zip(node.keys, node.values)
+            if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, (ast.Name, ast.Attribute))]
 
 
 def _library_steppers(flow, vals) -> frozenset:
