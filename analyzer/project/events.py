@@ -25,7 +25,7 @@ from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal, origin_of
-from synccheck.analyzer.project.values import ONE_UNKNOWN, Bag, Const, CtxFactory, Inst, Tup, site_of
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Bag, Const, CtxFactory, Inst, Tup, _cap, site_of
 from synccheck.analyzer.project.traversal import children, walk
 
 
@@ -215,6 +215,14 @@ def expr(flow, node, st, fr) -> EnvVal:
     if t is ast.UnaryOp:
         inner = expr(flow, node.operand, st, fr)
         return _val(ONE_UNKNOWN, inner.prov, inner.scaled)
+    if t is ast.Dict and 0 < len(node.keys) <= 64 and all(
+            isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+        # ``state = {"model": model, "optimizer": optimizer}``: a record whose entries keep their values
+        # (``state["model"]`` in the step function it is handed is the wrapper)
+        entries = [expr(flow, v, st, fr) for v in node.values]
+        fields = tuple((k.value, _cap(e.values)) for k, e in zip(node.keys, entries))
+        items = frozenset().union(*(e.values for e in entries))
+        return _val(frozenset((Bag(_cap(items), True, fields),)), _prov(*entries))
     if t in (ast.GeneratorExp, ast.ListComp, ast.SetComp):
         # ``sum(loss_dict[k] / accum for k in loss_dict)``: each element's scaling is the whole's
         prov = frozenset()
