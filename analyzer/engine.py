@@ -216,6 +216,9 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     return result
 
 
+MAX_CONTEXT_IMPORTS = 12
+
+
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
     rules = [BY_CODE[c] for c in codes]
     from synccheck.analyzer.cache import component_key, content_key as hashed_key
@@ -259,9 +262,26 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         for apath in list(candidates):
             for other in importers_beside(apath, linted):
                 entry, error = _read(other, content_key, imported_names, rules)
+                if entry is not None and not entry.gated and entry.imports:
+                    # (a script with none of our words that imports it may still be the glue: it builds
+                    # the runner that wraps the model and hands it the linted file's task)
+                    entry, error = _read(other, content_key, imported_names, rules, force=True)
                 if entry is not None and entry.gated:
                     entry.linted = False
                     candidates[os.path.abspath(other)] = entry
+    single_context = set()
+    if candidates and all(os.path.isfile(p) for p in paths):
+        # a lint of single files: the project modules its context files import directly (a runner that
+        # wraps the model and calls the linted task), at most MAX_CONTEXT_IMPORTS of them
+        from synccheck.analyzer.imports import module_paths
+        roots = [os.path.dirname(p) for p in candidates]
+        for p, e in candidates.items():
+            if e.linted:
+                continue
+            for level, name in e.imports or ():
+                found = next((f for f in module_paths(p, level, name, roots) if os.path.isfile(f)), None)
+                if found is not None and found not in candidates and len(single_context) < MAX_CONTEXT_IMPORTS:
+                    single_context.add(found)
     components = Components(paths)
     groups = components.build({p: e.imports for p, e in candidates.items()}, read_imports)
     groups = components.join(groups, {p: e.imports for p, e in entries.items() if not e.gated and e.imports})
@@ -278,6 +298,19 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
                 entry, error = _read(entries[p].path, content_key, imported_names, rules, force=True)
                 if entry is None:
                     continue
+            elif entry is None and p in single_context:
+                # a lint of single files: a project module a context file imports (the runner that
+                # wraps the model and calls the linted task's train_epoch) is read when needed
+                entry, error = _read(p, content_key, imported_names, rules)
+                if entry is None:
+                    continue
+                entry.linted = False
+                if entry.gated and entry.eager:
+                    # (one that may hold a training loop is context: its loops are roots, and what they
+                    # find in the linted file is reported there)
+                    entry.eager = True
+                else:
+                    entry.eager = False
             if entry is not None:
                 members.append(entry)
         key = component_key([(e.path, e.key, e.linted) for e in members])
