@@ -251,11 +251,26 @@ class ParameterValues:
             # ``AccumTrainer(SimpleTrainer)``): the base's parameters get what the subclass hands on
             out.extend(self._super_init_calls(fn))
         if fn.cls is None:
+            # ``fabric.launch(train, cfg)``: Fabric calls ``train(fabric, cfg)`` in every process
+            out.extend(self._launched(fn))
+        if fn.cls is None:
             # a function kept in a module's registry (``PARALLELIZE = {"llama": parallelize_llama}``) is
             # called through it: ``PARALLELIZE[cfg.model](model, mesh)``
             out.extend((scope, call, 0) for scope, call in self._registry_calls(fn)[:MAX_CALLERS])
         self._plain[key] = tuple(out)
         return self._plain[key]
+
+    def _launched(self, fn: Function) -> list:
+        out = []
+        for scope, call in self.calls("launch"):
+            if not (isinstance(call.func, ast.Attribute) and call.args and isinstance(call.args[0], ast.Name) and
+                    call.args[0].id == fn.node.name and self.project.resolve(self.module_of(scope), fn.node.name) is fn):
+                continue
+            if not any(isinstance(v, Framework) and v.kind == "fabric" for v in self.expr(call.func.value, scope)):
+                continue
+            made = ast.Call(func=call.args[0], args=[call.func.value] + list(call.args[1:]), keywords=call.keywords)
+            out.append((scope, ast.copy_location(made, call), 0))
+        return out[:MAX_CALLERS]
 
     def _super_init_calls(self, fn: Function) -> list:
         out = []
