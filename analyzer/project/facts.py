@@ -225,11 +225,15 @@ def _late_wipes(flow, pop) -> Optional[tuple]:
 
 def _in_loop_body(flow, site, loop) -> bool:
     """Is the call at ``site`` a statement of the micro-steps' loop's own body (not inside an ``if``, a
-    ``try`` handler or a nested block): one that runs on every turn?"""
+    ``try`` handler or a nested block), or of the ``finally:`` of a ``try`` that is one: one that runs
+    on every turn?"""
     info = flow.loop_infos.get(loop)
     _, node = flow.records.nodes.get(site, (None, None))
-    return info is not None and node is not None and any(
-        isinstance(stmt, ast.Expr) and stmt.value is node for stmt in info.node.body)
+    if info is None or node is None:
+        return False
+    every_turn = list(info.node.body)
+    every_turn += [f for stmt in info.node.body if isinstance(stmt, ast.Try) for f in stmt.finalbody]
+    return any(isinstance(stmt, ast.Expr) and stmt.value is node for stmt in every_turn)
 
 
 def _gated_window(token, by_hand) -> bool:
