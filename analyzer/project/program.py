@@ -243,6 +243,11 @@ class Program(Words, WrappedModels):
             # ``if use_fp16: ... scaler.step(opt) ... else: ... opt.step()``, each with its own early
             # ``break``: both sides step, a way out inside them is their own (SLAM-LLM, llama-recipes)
             return False
+        if "backward" in body and "step" in body and not orelse:
+            # ``if state == "train": loss.backward(); if (i + 1) % accum == 0: step()``: a mode that runs
+            # the whole micro-step, its schedule inside (ClearerVoice's solver), not a check that skips
+            # a step now and then
+            return False
         return ("step" in body) != ("step" in orelse) or "exit" in body or "exit" in orelse
 
     def steps_in(self, stmts, fr) -> bool:
