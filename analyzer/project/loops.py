@@ -322,8 +322,15 @@ def _flags_each(loop) -> bool:
 
 
 def _acts_on_each(loop, acts) -> bool:
-    """Does the body of ``for name in ...:`` hold a node that ``acts(node, name)`` on the loop's name?"""
-    if not isinstance(loop.target, ast.Name):
+    """Does the body of ``for name in ...:`` hold a node that ``acts(node, name)`` on the loop's name?
+    Also ``for i, opt in enumerate(opts)`` and ``for opt, sched in zip(opts, scheds)``: any name bound."""
+    target = loop.target
+    if isinstance(target, ast.Name):
+        names = [target.id]
+    elif isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts) and \
+            isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name) and \
+            loop.iter.func.id in ("enumerate", "zip"):
+        names = [e.id for e in target.elts]
+    else:
         return False
-    name = loop.target.id
-    return any(acts(n, name) for stmt in loop.body for n in walk(stmt))
+    return any(acts(n, name) for stmt in loop.body for n in walk(stmt) for name in names)
