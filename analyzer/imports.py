@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from itertools import islice
 from typing import Iterable, Optional
 
 _FROM = re.compile(rb"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#]*)", re.M)
@@ -270,8 +271,24 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
     found = _importers_in(near, stem, path, linted, limit)
     top = _project_top(here)
     if top is not None:
-        found += _importers_in(_project_folders(top, set(near)), stem, path, linted, limit)[:MAX_FAR_IMPORTERS]
+        # nearest in the tree first: ``src/pkg/pipeline/`` before ``examples/*/`` for ``src/pkg/utils/x.py``
+        here_parts = here.split(os.sep)
+        folders = list(islice(_project_folders(top, set(near)), MAX_FAR_FOLDERS))
+        folders.sort(key=lambda d: -_shared_parts(here_parts, d.split(os.sep)))
+        found += _importers_in(folders, stem, path, linted, limit)[:MAX_FAR_IMPORTERS]
     return found
+
+
+MAX_FAR_FOLDERS = 2000
+
+
+def _shared_parts(a: list, b: list) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _importers_in(directories, stem: str, path: str, linted: set, limit: int) -> list:

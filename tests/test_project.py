@@ -7,7 +7,7 @@ import pytest
 
 from pathlib import Path
 
-from projectlib import check_project, expected, write_project
+from projectlib import check_project, expected, found, write_project
 
 # main.py wraps the model, engine.py accumulates (MAE, DeiT, ConvNeXt, BEiT are built like this)
 MAE = {
@@ -115,7 +115,7 @@ def test_single_file_lint_reads_an_importer_in_the_folder_above(tmp_path):
 def test_single_file_lint_of_the_loop_reports_a_sampler_built_out_of_the_lint(tmp_path):
     # HydraGNN: the hook is given the training file only; the sampler built in the helper module it
     # imports is reported at the linted call of that helper
-    from projectlib import found, write_project
+
     write_project(tmp_path, SAMPLER_IN_A_SUBFOLDER)
     got = found(tmp_path, [tmp_path / "train.py"])
     assert got == {("train.py", 7, "SC302")}, got
@@ -1198,3 +1198,46 @@ def test_single_file_lint_of_a_task_reads_the_runner_its_importer_uses(tmp_path)
     # MiniGPT-4 / LAVIS: a hook given base_task.py only; train.py (no word of ours) imports it and the
     # runner that wraps the model in DDP and calls the task's train_epoch: both are context
     check_project(tmp_path, REGISTRY_TASK, paths=["base_task.py"])
+
+
+def test_single_file_lint_reads_the_nearest_importers_first(tmp_path):
+    # SLAM-LLM: utils/train_utils.py is imported by a dozen example models and by the pipeline that
+    # wraps the model in DDP; the pipeline, nearer in the tree, is among the importers read
+    files = {
+        "pyproject.toml": "",
+        "src/pkg/__init__.py": "",
+        "src/pkg/utils/__init__.py": "",
+        "src/pkg/utils/train_utils.py": """
+            def train(model, loader, optimizer, gradient_accumulation_steps):
+                for step, batch in enumerate(loader):
+                    loss = model(**batch).loss / gradient_accumulation_steps
+                    loss.backward()  # SC101
+                    if (step + 1) % gradient_accumulation_steps == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+        """,
+        "src/pkg/pipeline/__init__.py": "",
+        "src/pkg/pipeline/finetune.py": """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            from pkg.utils.train_utils import train
+
+
+            def main(model, loader, cfg):
+                model = DDP(model, device_ids=[cfg.local_rank])
+                optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+                train(model, loader, optimizer, cfg.gradient_accumulation_steps)
+        """,
+    }
+    for i in range(12):
+        files[f"examples/ex{i:02d}/model/slam_model.py"] = """
+            from pkg.utils.train_utils import train  # noqa: F401
+
+
+            def build():
+                return None
+        """
+    write_project(tmp_path, files)
+    got = found(tmp_path, [tmp_path / "src/pkg/utils/train_utils.py"])
+    assert got == expected(tmp_path, files), got
