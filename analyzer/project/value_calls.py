@@ -166,6 +166,9 @@ class CallValues:
                 if vocab.tail(base) in vocab.SAMPLER_TAILS and base != qual:
                     # ``class ShardAwareSampler(DistributedSampler)``: its order is seeded by ``self.epoch`` too
                     return _sampler(call, site)
+            if callee.cls.node.name == "DistributedSampler" and _epoch_seeded_copy(callee.cls):
+                # a project's own copy of torch's sampler (DB's data_loader.py): the same contract
+                return _sampler(call, site)
             return frozenset((Inst(callee.cls),))
         if isinstance(callee, Inst):
             method = self.project.attribute(callee.cls, "__call__")
@@ -359,6 +362,15 @@ class CallValues:
         if arg is None:
             return EMPTY
         return self.expr(arg, scope)
+
+
+def _epoch_seeded_copy(klass) -> bool:
+    """A class with ``set_epoch`` whose ``__iter__`` reads ``self.epoch``: its order needs set_epoch."""
+    methods = klass.methods
+    if "set_epoch" not in methods or "__iter__" not in methods:
+        return False
+    return any(isinstance(n, ast.Attribute) and n.attr == "epoch" and isinstance(n.value, ast.Name) and
+               n.value.id == "self" for n in ast.walk(methods["__iter__"].node))
 
 
 def _sampler(call: ast.Call, site) -> frozenset:
