@@ -50,27 +50,16 @@ CALLED = re.compile(r"(?<![\w.])(?:self\.|cls\.)?(\w+)\s*\(")
 def _rank_if_lines(text: str):
     """(end offset, indentation) of each ``if``/``elif`` line that tests a rank. Found with str.find on
     the rank words, not a regex over the whole file: this runs on every candidate file, unparsed."""
-    seen = set()
     bound = set()           # ``should_write = dist.get_rank() == 0``: names that hold a rank test
-    for word in RANK_WORDS:
-        start = text.find(word)
-        while start != -1:
-            line_start = text.rfind("\n", 0, start) + 1
-            line_end = text.find("\n", start)
-            line_end = len(text) if line_end == -1 else line_end
-            if line_start not in seen:
-                seen.add(line_start)
-                line = text[line_start:line_end]
-                code = line.split("#", 1)[0].rstrip()
-                stripped = code.lstrip()
-                if stripped.startswith(("if ", "if(", "elif ", "elif(")) and code.endswith(":") \
-                        and RANK_TEST.search(code):
-                    yield line_end, len(line) - len(line.lstrip())
-                else:
-                    held = _HOLDS_TEST.match(code)
-                    if held and RANK_TEST.search(held.group(2)):
-                        bound.add(held.group(1))
-            start = text.find(word, line_end)
+    for line_end, line in _rank_word_lines(text):
+        code = line.split("#", 1)[0].rstrip()
+        stripped = code.lstrip()
+        if stripped.startswith(("if ", "if(", "elif ", "elif(")) and code.endswith(":") and RANK_TEST.search(code):
+            yield line_end, len(line) - len(line.lstrip())
+        else:
+            held = _HOLDS_TEST.match(code)
+            if held and RANK_TEST.search(held.group(2)):
+                bound.add(held.group(1))
     for name in bound:
         if RANK_TEST.fullmatch(name):
             continue                        # (its ``if`` lines were found above)
@@ -215,6 +204,16 @@ _CONDITIONAL = re.compile(r"[ \t]if[ \t]+(.+?)[ \t]+else\b")
 def _rank_conditional_expressions(text: str):
     """``acc = evaluate(model) if rank == 0 else None``: the line of each conditional expression on
     a rank, up to its ``if`` (the side only that rank runs; the ``else`` side after it)."""
+    for _, line in _rank_word_lines(text):
+        code = line.split("#", 1)[0]
+        match = _CONDITIONAL.search(code) if " else" in code else None
+        if match and RANK_TEST.search(match.group(1)) and not code.lstrip().startswith(("if", "elif")):
+            yield code[:match.start()] + "\n" + code[match.end():]
+
+
+def _rank_word_lines(text: str):
+    """(end offset, line) of each line that holds one of the rank words, each line once, found with
+    str.find (not a regex over the whole file)."""
     seen = set()
     for word in RANK_WORDS:
         start = text.find(word)
@@ -224,10 +223,7 @@ def _rank_conditional_expressions(text: str):
             line_end = len(text) if line_end == -1 else line_end
             if line_start not in seen:
                 seen.add(line_start)
-                code = text[line_start:line_end].split("#", 1)[0]
-                match = _CONDITIONAL.search(code) if " else" in code else None
-                if match and RANK_TEST.search(match.group(1)) and not code.lstrip().startswith(("if", "elif")):
-                    yield code[:match.start()] + "\n" + code[match.end():]
+                yield line_end, text[line_start:line_end]
             start = text.find(word, line_end)
 
 
