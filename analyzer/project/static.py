@@ -137,7 +137,7 @@ def samplers_without_set_epoch(program) -> list:
             # file only): reported at the linted call of the helper that builds it (HydraGNN)
             at = _linted_caller(values, scope)
             if at is None or _EVALUATION.search(_assigned_name(module, call)) or "set_epoch" in module.text or \
-                    not _EPOCH_FOR.search(at[0].text):
+                    not _used_in_an_epoch_loop(at[0], at[1]):
                 # (only where the linted file runs the epoch loop itself and the helper's module never
                 # says set_epoch: the rest of the project, which may seed it, is not in view)
                 continue
@@ -157,7 +157,24 @@ def samplers_without_set_epoch(program) -> list:
     return out
 
 
-_EPOCH_FOR = re.compile(r"^[ \t]*for[ \t]+\w*epoch\w*[ \t]+in[ \t]", re.M)
+def _used_in_an_epoch_loop(module, call) -> bool:
+    """Is what ``call`` returns bound to names that the body of an epoch loop (``for epoch in ...``) of
+    the same function reads (``train_loader, val_loader = create_dataloaders(...)``, then
+    ``train(train_loader, ...)`` each epoch), not put in a list or a mixture first?"""
+    holding = [f for f in module.functions.values()
+               if f.node.lineno <= call.lineno <= (f.node.end_lineno or f.node.lineno)]
+    tree = max(holding, key=lambda f: f.node.lineno).node if holding else module.tree     # the innermost
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and node.value is call:
+            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    if not names:
+        return False
+    for loop in ast.walk(tree):
+        if isinstance(loop, ast.For) and "epoch" in ast.unparse(loop.target).lower() and any(
+                isinstance(n, ast.Name) and n.id in names for stmt in loop.body for n in ast.walk(stmt)):
+            return True
+    return False
 
 
 def _linted_caller(values, scope) -> Optional[tuple]:
