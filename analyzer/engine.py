@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import gc
 import os
+import re
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
@@ -217,6 +218,12 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
 
 
 MAX_CONTEXT_IMPORTS = 12
+_DEFINED = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
+
+
+def _calls_one_of(text: str, names: set) -> bool:
+    """Does ``text`` call (``x.name(`` or ``name(``) one of ``names``?"""
+    return any(re.search(r"(?<![\w])" + re.escape(name) + r"\s*\(", text) for name in names if name in text)
 
 
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
@@ -262,7 +269,7 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         for apath in list(candidates):
             for other in importers_beside(apath, linted):
                 entry, error = _read(other, content_key, imported_names, rules)
-                if entry is not None and not entry.gated and entry.imports:
+                if entry is not None and not entry.gated and entry.imports and not other.endswith("__init__.py"):
                     # (a script with none of our words that imports it may still be the glue: it builds
                     # the runner that wraps the model and hands it the linted file's task)
                     entry, error = _read(other, content_key, imported_names, rules, force=True)
@@ -270,7 +277,10 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
                     entry.linted = False
                     candidates[os.path.abspath(other)] = entry
     single_context = set()
+    linted_defs: set = set()
     if candidates and all(os.path.isfile(p) for p in paths):
+        linted_defs = {m.group(1) for e in candidates.values() if e.linted and e.text
+                       for m in _DEFINED.finditer(e.text) if not m.group(1).startswith("__")}
         # a lint of single files: the project modules its context files import directly (a runner that
         # wraps the model and calls the linted task), at most MAX_CONTEXT_IMPORTS of them
         from synccheck.analyzer.imports import module_paths
@@ -305,12 +315,11 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
                 if entry is None:
                     continue
                 entry.linted = False
-                if entry.gated and entry.eager:
-                    # (one that may hold a training loop is context: its loops are roots, and what they
-                    # find in the linted file is reported there)
-                    entry.eager = True
-                else:
-                    entry.eager = False
+                # (one that may hold a training loop and calls a function the linted files define, the
+                # task's ``train_epoch``, is context: its loops are roots, and what they find in the
+                # linted file is reported there; the others are read only if the analysis asks)
+                entry.eager = bool(entry.gated and entry.eager and entry.text is not None and
+                                   _calls_one_of(entry.text, linted_defs))
             if entry is not None:
                 members.append(entry)
         key = component_key([(e.path, e.key, e.linted) for e in members])
