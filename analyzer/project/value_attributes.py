@@ -9,6 +9,7 @@ a wrapper's ``.module`` and ``.no_sync``, and the samplers behind a loader's ``.
 from __future__ import annotations
 
 import ast
+import weakref
 from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function
@@ -99,21 +100,11 @@ class AttributeValues:
 
     def _annotated_attribute(self, klass, attr: str) -> frozenset:
         for k in self.project.mro(klass):
-            for stmt in k.node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == attr:
-                    made = self.annotated(k.module, stmt.annotation, stmt)[0]
-                    if made:
-                        return made
-            for method in k.methods.values():
-                if attr not in k.module.segment(method.node):
-                    continue
-                for node in ast.walk(method.node):
-                    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) and \
-                            node.target.attr == attr and isinstance(node.target.value, ast.Name) and \
-                            method.params and node.target.value.id == method.params[0]:
-                        made = self.annotated(k.module, node.annotation, node)[0]
-                        if made:
-                            return made
+            found = _attribute_annotations(k).get(attr)
+            if found is not None:
+                made = frozenset(v for v in self.annotated(k.module, found, found)[0] if isinstance(v, Wrapper))
+                if made:
+                    return made
         return EMPTY
 
     def _outside_stores(self, attr: str) -> list:
@@ -170,3 +161,33 @@ _LOADER_SAMPLERS = ("sampler", "batch_sampler")
 def _receiver_of(node):
     """The object expression of an attribute read: ``m`` in ``m.no_sync`` and in ``getattr(m, "no_sync")``."""
     return node.args[0] if isinstance(node, ast.Call) else node.value
+
+
+# an annotation worth resolving says a wrapper's name (resolving every ``x: int`` of a large class
+# would parse module after module)
+_WRAPPER_ANNOTATION = ("DDP", "DistributedDataParallel", "FSDP", "FullyShardedDataParallel")
+
+
+def _attribute_annotations(klass) -> dict:
+    """attr -> the annotation of ``attr: T`` in the class body or ``self.attr: T = ...`` in a method, for
+    the annotations that name a wrapper; read once per class."""
+    table = _ANNOTATIONS.get(klass)
+    if table is None:
+        table = {}
+        text = klass.module.segment(klass.node) or ""
+        if any(w in text for w in _WRAPPER_ANNOTATION):
+            for stmt in klass.node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    table.setdefault(stmt.target.id, stmt.annotation)
+            for method in klass.methods.values():
+                self_name = method.params[0] if method.params else None
+                for node in ast.walk(method.node):
+                    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) and \
+                            isinstance(node.target.value, ast.Name) and node.target.value.id == self_name:
+                        table.setdefault(node.target.attr, node.annotation)
+            table = {a: n for a, n in table.items() if any(w in ast.unparse(n) for w in _WRAPPER_ANNOTATION)}
+        _ANNOTATIONS[klass] = table
+    return table
+
+
+_ANNOTATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
