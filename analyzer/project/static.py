@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
-from synccheck.analyzer.project.definitions import Function, called_name
+from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
 # SC104's facts live in unwrapped.py; their names stay importable from here
@@ -130,21 +130,7 @@ def samplers_without_set_epoch(program) -> list:
     out = []
     epoch_loop = None         # asked once: nothing below parses or reads a file
     for module, call, sampler, scope in made:
-        if sampler in seeded or sampler in prepared or _seeded_by_epoch(call):
-            continue
-        if not module.linted:
-            # built in a helper module out of the lint (a pre-commit hook given the training loop's
-            # file only): reported at the linted call of the helper that builds it (HydraGNN)
-            at = _linted_caller(values, scope)
-            if at is None or _EVALUATION.search(_assigned_name(module, call)) or "set_epoch" in module.text or \
-                    not _used_in_an_epoch_loop(at[0], at[1]):
-                # (only where the linted file runs the epoch loop itself and the helper's module never
-                # says set_epoch: the rest of the project, which may seed it, is not in view)
-                continue
-            if epoch_loop is None:
-                epoch_loop = _has_epoch_loop(program)
-            if epoch_loop:
-                out.append(UnseededSampler(at[0], at[1], "the sampler", sampler in once))
+        if not module.linted or sampler in seeded or sampler in prepared or _seeded_by_epoch(call):
             continue
         if epoch_loop is None:
             epoch_loop = _has_epoch_loop(program)
@@ -155,35 +141,6 @@ def samplers_without_set_epoch(program) -> list:
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name, sampler in once))
     return out
-
-
-def _used_in_an_epoch_loop(module, call) -> bool:
-    """Is what ``call`` returns bound to names that the body of an epoch loop (``for epoch in ...``) of
-    the same function reads (``train_loader, val_loader = create_dataloaders(...)``, then
-    ``train(train_loader, ...)`` each epoch), not put in a list or a mixture first?"""
-    holding = [f for f in module.functions.values()
-               if f.node.lineno <= call.lineno <= (f.node.end_lineno or f.node.lineno)]
-    tree = max(holding, key=lambda f: f.node.lineno).node if holding else module.tree     # the innermost
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and node.value is call:
-            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    if not names:
-        return False
-    for loop in ast.walk(tree):
-        if isinstance(loop, ast.For) and "epoch" in ast.unparse(loop.target).lower() and any(
-                isinstance(n, ast.Name) and n.id in names for stmt in loop.body for n in ast.walk(stmt)):
-            return True
-    return False
-
-
-def _linted_caller(values, scope) -> Optional[tuple]:
-    """(module, call) of the first call, in a linted module, of the function ``scope``."""
-    if not isinstance(scope, Function):
-        return None
-    calls = sorted(((values.module_of(s), c) for s, c, _ in values.callers(scope) if values.module_of(s).linted),
-                   key=lambda mc: (mc[0].path, mc[1].lineno))
-    return calls[0] if calls else None
 
 
 def _seeded_by_set_epoch(klass) -> bool:
