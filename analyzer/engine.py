@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import gc
 import os
-import re
 from typing import Iterable, Optional, Sequence
 
 from synccheck.analyzer.files import discover
@@ -217,15 +216,6 @@ def lint(paths: Iterable[str], rules: Optional[Sequence] = None, jobs: Optional[
     return result
 
 
-MAX_CONTEXT_IMPORTS = 12
-_DEFINED = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
-
-
-def _calls_one_of(text: str, names: set) -> bool:
-    """Does ``text`` call (``x.name(`` or ``name(``) one of ``names``?"""
-    return any(re.search(r"(?<![\w])" + re.escape(name) + r"\s*\(", text) for name in names if name in text)
-
-
 def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintResult:
     rules = [BY_CODE[c] for c in codes]
     from synccheck.analyzer.cache import component_key, content_key as hashed_key
@@ -269,29 +259,9 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         for apath in list(candidates):
             for other in importers_beside(apath, linted):
                 entry, error = _read(other, content_key, imported_names, rules)
-                if entry is not None and not entry.gated and entry.imports and not other.endswith("__init__.py"):
-                    # (a script with none of our words that imports it may still be the glue: it builds
-                    # the runner that wraps the model and hands it the linted file's task)
-                    entry, error = _read(other, content_key, imported_names, rules, force=True)
                 if entry is not None and entry.gated:
                     entry.linted = False
                     candidates[os.path.abspath(other)] = entry
-    single_context = set()
-    linted_defs: set = set()
-    if candidates and all(os.path.isfile(p) for p in paths):
-        linted_defs = {m.group(1) for e in candidates.values() if e.linted and e.text
-                       for m in _DEFINED.finditer(e.text) if not m.group(1).startswith("__")}
-        # a lint of single files: the project modules its context files import directly (a runner that
-        # wraps the model and calls the linted task), at most MAX_CONTEXT_IMPORTS of them
-        from synccheck.analyzer.imports import module_paths
-        roots = [os.path.dirname(p) for p in candidates]
-        for p, e in candidates.items():
-            if e.linted:
-                continue
-            for level, name in e.imports or ():
-                found = next((f for f in module_paths(p, level, name, roots) if os.path.isfile(f)), None)
-                if found is not None and found not in candidates and len(single_context) < MAX_CONTEXT_IMPORTS:
-                    single_context.add(found)
     components = Components(paths)
     groups = components.build({p: e.imports for p, e in candidates.items()}, read_imports)
     groups = components.join(groups, {p: e.imports for p, e in entries.items() if not e.gated and e.imports})
@@ -308,18 +278,6 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
                 entry, error = _read(entries[p].path, content_key, imported_names, rules, force=True)
                 if entry is None:
                     continue
-            elif entry is None and p in single_context:
-                # a lint of single files: a project module a context file imports (the runner that
-                # wraps the model and calls the linted task's train_epoch) is read when needed
-                entry, error = _read(p, content_key, imported_names, rules)
-                if entry is None:
-                    continue
-                entry.linted = False
-                # (one that may hold a training loop and calls a function the linted files define, the
-                # task's ``train_epoch``, is context: its loops are roots, and what they find in the
-                # linted file is reported there; the others are read only if the analysis asks)
-                entry.eager = bool(entry.gated and entry.eager and entry.text is not None and
-                                   _calls_one_of(entry.text, linted_defs))
             if entry is not None:
                 members.append(entry)
         key = component_key([(e.path, e.key, e.linted) for e in members])
@@ -397,7 +355,7 @@ def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: 
     parsed = 0
     for path, text, notebook, linted, is_eager, imports in members:
         if not is_eager:
-            project.offer(path, text, imports)
+            project.offer(path, text, imports, linted=linted)
             continue
         if text is None:
             data, error = read_bytes(path)

@@ -59,6 +59,7 @@ class Project(Resolution):
         # files of the lint set not parsed yet: parsed when an import, a caller or a subclass is looked
         # for in them (abspath -> (path, text or None)); their findings are reported like the others
         self.catalog: dict = {}
+        self._context_only: set = set()  # catalogued files read as context only (offer(linted=False))
         self._catalog_imports: dict = {}
         self._importers_done: set = set()
         self._importer_index: Optional[tuple] = None
@@ -67,12 +68,16 @@ class Project(Resolution):
         self.version = 0                 # bumped at every module added: indexes over modules refresh
         self.single_files = False        # the lint named files only: the modules they use are not in its set
 
-    def offer(self, path: str, text: Optional[str] = None, imports: Optional[list] = None) -> None:
-        """Make a file of the lint set available, to be parsed only if the analysis needs it.
-        ``imports``: its import lines (imports.imported_names), to find who imports a module."""
+    def offer(self, path: str, text: Optional[str] = None, imports: Optional[list] = None,
+              linted: bool = True) -> None:
+        """Make a file available, to be parsed only if the analysis needs it. ``imports``: its import
+        lines (imports.imported_names), to find who imports a module. ``linted=False``: a file read as
+        context only (a lint of single files), whose findings are not reported."""
         apath = os.path.abspath(path)
         if apath not in self.by_path:
             self.catalog[apath] = (path, text)
+            if not linted:
+                self._context_only.add(apath)
             if imports is not None:
                 self._catalog_imports[apath] = imports
 
@@ -184,7 +189,7 @@ class Project(Resolution):
             tree = ast.parse(text, path)
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return None
-        module = self.add(path, text, tree, linted=True)
+        module = self.add(path, text, tree, linted=apath not in self._context_only)
         module.on_demand = True
         return module
 

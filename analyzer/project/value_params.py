@@ -223,9 +223,7 @@ class ParameterValues:
                     self.project.importers(k.module, (k.node.name,))
         # the callers are in its own module and in the modules that import it
         self.project.importers(fn.module, tuple(names))
-        # (a lint of single files: the project modules around it are catalogued, not parsed; a method
-        # called through an instance, ``self.task.train_epoch(...)``, is looked for in those that say it)
-        candidates = [c for n in names for c in self.calls(n, load=self.project.single_files and fn.cls is not None)]
+        candidates = [c for n in names for c in self.calls(n)]
         if fn.cls is not None and fn.node.name == "__call__":
             candidates = []        # called through an instance under any name: no parameter values from calls
         out = []
