@@ -40,6 +40,7 @@ _RAW_PROCESS = re.compile(r"^process (\d+):")
 FINISH_TIMEOUT_S = 60.0
 # A recorder that crashes while its worker still runs is started again, this many times at most.
 MAX_RESTARTS = 3
+ZOMBIE_GRACE_S = 5.0
 
 
 class _Recorder:
@@ -52,6 +53,7 @@ class _Recorder:
         self.parts: list[str] = []
         self.logs: list[str] = []
         self.crashes: list[int] = []     # signal numbers of recorders that died by a signal
+        self.exited_at: float | None = None  # when its worker was first seen exited (a zombie)
 
 
 class Sampler:
@@ -100,13 +102,33 @@ class Sampler:
                 self._launch(rec)
         for rec in self.recorders.values():
             proc = rec.proc
-            if proc is None or proc.poll() is None:
+            if proc is not None and proc.poll() is None:
+                self._stop_if_worker_exited(rec)
+                continue
+            if proc is None:
                 continue
             rec.proc = None
             if proc.returncode < 0:
                 rec.crashes.append(-proc.returncode)
                 if self._restart and len(rec.crashes) <= MAX_RESTARTS and alive(rec.pid):
                     self._launch(rec)
+
+    def _stop_if_worker_exited(self, rec: _Recorder) -> None:
+        """A worker that exited while py-spy is attached stays a zombie its parent cannot reap until the
+        tracer lets go; a py-spy that does not notice (seen under load) would hold the whole job. Past
+        ZOMBIE_GRACE_S, it is asked to write what it has and stop (SIGINT, as on Ctrl-C)."""
+        if alive(rec.pid):
+            rec.exited_at = None
+            return
+        now = time.monotonic()
+        if rec.exited_at is None:
+            rec.exited_at = now
+        elif now - rec.exited_at > ZOMBIE_GRACE_S:
+            rec.exited_at = now + 3600.0      # asked once (then after an hour)
+            try:
+                rec.proc.send_signal(signal.SIGINT)
+            except OSError:
+                pass
 
     def _launch(self, rec: _Recorder) -> None:
         n = len(rec.parts)

@@ -325,3 +325,35 @@ def test_worker_that_exits_while_being_dumped_is_named_and_the_others_diagnosed(
     assert run.rank(0)["optimizer_steps"] == 2 and run.rank(1)["optimizer_steps"] == 2
     print(f"worker exited while dumped: done after {elapsed:.1f}s; other rank dumped by py-spy: "
           f"{bool(other.get('stack'))}")
+
+
+def test_a_recorder_whose_worker_exited_is_asked_to_stop(tmp_path, monkeypatch):
+    # A worker that exits while py-spy is attached stays a zombie its parent cannot reap until the tracer
+    # lets go; a recorder that does not notice would hold the job (seen once in CI under load). The
+    # sampler's poll asks it to write and stop (SIGINT) once the worker has been gone a little while.
+    import subprocess
+
+    from synccheck.profiler import sample as S
+    recorder = tmp_path / "py-spy"
+    # a stand-in for py-spy that only stops on SIGINT, as a stuck recorder would
+    recorder.write_text("#!/bin/sh\ntrap 'exit 0' INT\nwhile :; do sleep 0.1; done\n")
+    recorder.chmod(0o755)
+    worker = subprocess.Popen([sys.executable, "-c", "pass"])
+    worker.wait()                                  # gone: no process of that pid runs any more
+    monkeypatch.setattr(S, "ZOMBIE_GRACE_S", 0.2)
+    sampler = S.Sampler(str(tmp_path / "profile.json"), "speedscope", 50)
+    sampler.py_spy = str(recorder)
+    sampler._parts_dir = str(tmp_path)
+    rec = sampler.recorders[worker.pid] = S._Recorder(0, worker.pid)
+    sampler._launch(rec)
+    proc = rec.proc
+    try:
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            sampler.poll()
+            time.sleep(0.1)
+        assert proc.poll() == 0, "the recorder of an exited worker was not stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
