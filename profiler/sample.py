@@ -116,19 +116,22 @@ class Sampler:
     def _stop_if_worker_exited(self, rec: _Recorder) -> None:
         """A worker that exited while py-spy is attached stays a zombie its parent cannot reap until the
         tracer lets go; a py-spy that does not notice (seen under load) would hold the whole job. Past
-        ZOMBIE_GRACE_S, it is asked to write what it has and stop (SIGINT, as on Ctrl-C)."""
+        ZOMBIE_GRACE_S, it is asked to write what it has and stop (SIGINT, as on Ctrl-C); past three times
+        that, it is killed."""
         if alive(rec.pid):
             rec.exited_at = None
             return
         now = time.monotonic()
         if rec.exited_at is None:
             rec.exited_at = now
-        elif now - rec.exited_at > ZOMBIE_GRACE_S:
-            rec.exited_at = now + 3600.0      # asked once (then after an hour)
-            try:
+            return
+        try:
+            if now - rec.exited_at > 3 * ZOMBIE_GRACE_S:
+                rec.proc.kill()               # (a SIGINT it ignores: its part of the profile is lost)
+            elif now - rec.exited_at > ZOMBIE_GRACE_S:
                 rec.proc.send_signal(signal.SIGINT)
-            except OSError:
-                pass
+        except OSError:
+            pass
 
     def _launch(self, rec: _Recorder) -> None:
         n = len(rec.parts)
