@@ -132,10 +132,14 @@ class ParameterValues:
     def _made(self, klass, load: bool = False) -> bool:
         """Is the class called by its name somewhere in the parsed modules (``CTCTrainer(model, ...)``)?
         ``load``: the catalogued files that say its name are parsed first."""
-        name = klass.node.name
-        return any(isinstance(call.func, ast.Name) and call.func.id == name or
-                   isinstance(call.func, ast.Attribute) and call.func.attr == name
-                   for _, call in self.calls(name, load=load))
+        key = ("made", klass.uid, load)
+        found = self._plain.get(key)
+        if found is None:
+            name = klass.node.name
+            found = self._plain[key] = any(isinstance(call.func, ast.Name) and call.func.id == name or
+                                           isinstance(call.func, ast.Attribute) and call.func.attr == name
+                                           for _, call in self.calls(name, load=load))
+        return found
 
     def _leaves_a_hook(self, klass) -> bool:
         key = ("leaves a hook", klass.uid)
