@@ -228,6 +228,19 @@ def _cut(line: str, start, end) -> str:
     return data[start:end].decode("utf-8", errors="replace")
 
 
+def enclosing_function(module, node) -> Optional["Function"]:
+    """The innermost function of ``module`` whose lines hold ``node``; None if none does."""
+    line = getattr(node, "lineno", None)
+    if module is None or line is None:
+        return None
+    best = None
+    for fn in module.functions.values():
+        start = fn.node.lineno
+        if start <= line <= (fn.node.end_lineno or start) and (best is None or start >= best.node.lineno):
+            best = fn
+    return best
+
+
 def called_name(node) -> str:
     """The last name of a name or attribute, or of a call's callee: ``torch.no_grad()`` -> ``no_grad``,
     ``@dataclasses.dataclass`` -> ``dataclass``; "" for anything else."""

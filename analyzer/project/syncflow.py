@@ -29,7 +29,7 @@ from synccheck.analyzer.project import events
 from synccheck.analyzer.project.conditions import Conditions
 from synccheck.analyzer.project.facts import Records
 from synccheck.analyzer.project.guards import MASKS, TRUE, Atoms
-from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.definitions import Function, enclosing_function
 from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
 from synccheck.analyzer.project.value_calls import made_per_call
 from synccheck.analyzer.project.traversal import walk_no_defs
@@ -340,12 +340,7 @@ class Flow(Branches, Loops):
         class's loop)? The micro-step is that function's: its backward is reported where it is. (A
         ``_backward(self, loss)`` helper handed the loop's loss, which steps when due, and a loss scaler
         handed ``update_grad=``, are reported at the loop's call.)"""
-        line = getattr(node, "lineno", None)
-        best = None
-        for fn in module.functions.values():
-            if line is not None and fn.node.lineno <= line <= (fn.node.end_lineno or fn.node.lineno) and \
-                    (best is None or fn.node.lineno >= best.node.lineno):
-                best = fn
+        best = enclosing_function(module, node)
         if best is None or not {"step", "backward"} <= self.program.fn_words(best):
             return False
         if _loss_is_a_parameter(node, best):

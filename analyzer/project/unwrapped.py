@@ -9,6 +9,7 @@ import ast
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.definitions import enclosing_function
 from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.values import Framework, Inner, Inst, Obj, Unknown, Wrapper
 
@@ -105,18 +106,8 @@ def _uncalled_no_sync(program) -> list:
         for node in walk(module.tree):
             if isinstance(node, ast.Attribute) and node.attr == "no_sync" and isinstance(node.ctx, ast.Load) and \
                     id(node) not in called:
-                out.append((module, _scope_at(module, node), node))
+                out.append((module, enclosing_function(module, node) or module, node))
     return out
-
-
-def _scope_at(module, node):
-    """The innermost function of ``module`` whose lines hold ``node``, else the module."""
-    best = None
-    for fn in module.functions.values():
-        if fn.node.lineno <= node.lineno <= (fn.node.end_lineno or fn.node.lineno) and \
-                (best is None or fn.node.lineno >= best.node.lineno):
-            best = fn
-    return best if best is not None else module
 
 
 def _unwrapped_alias(values, scope, target) -> bool:

@@ -109,16 +109,10 @@ _RESCALE = re.compile(r"(multiply_grads|\.grad\.div_|\.grad\.mul_|scale_grads|gr
 
 
 def _enclosing(module, node):
-    """The innermost function of ``module`` whose lines hold ``node``."""
-    line = getattr(node, "lineno", None)
-    if module is None or line is None:
-        return None
-    best = None
-    for fn in module.functions.values():
-        start, end = fn.node.lineno, getattr(fn.node, "end_lineno", fn.node.lineno)
-        if start <= line <= end and (best is None or start >= best.node.lineno):
-            best = fn
-    return best
+    """The innermost function of ``module`` whose lines hold ``node`` (project/definitions.py's, imported
+    only when a finding is checked: the rules stay light to import)."""
+    from synccheck.analyzer.project.definitions import enclosing_function
+    return enclosing_function(module, node)
 
 
 def _sums_its_loss(program, model, info) -> bool:
