@@ -12,13 +12,12 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.conditions import distributed_switch
+from synccheck.analyzer.project.conditions import distributed_switch, wrapper_type_test
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.flow_state import Frame, St
 from synccheck.analyzer.project.guards import TRUE, depends_on
 from synccheck.analyzer.project.state import EnvVal
-from synccheck.analyzer.project.values import Ext, Inst, Obj, Tup, Wrapper
+from synccheck.analyzer.project.values import Inst, Obj, Wrapper
 
 _SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync")
 
@@ -115,16 +114,9 @@ class Branches:
         tests = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
         narrowed = []
         for c in tests:
-            if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == "isinstance" and
-                    len(c.args) == 2 and isinstance(c.args[0], ast.Name)):
+            name, kinds = wrapper_type_test(self.values, c, fr.scope)
+            if name is None:
                 continue
-            classes = self.values.expr(c.args[1], fr.scope)
-            classes = frozenset(x for v in classes for x in (
-                frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
-            kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
-            if not kinds or "" in kinds:
-                continue
-            name = c.args[0].id
             sides = ((body, True),) + (((orelse, False),) if len(tests) == 1 else ())
             for side, holds in sides:
                 if side is None:

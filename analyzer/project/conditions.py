@@ -370,19 +370,13 @@ class Conditions:
         """``isinstance(model, DDP)`` where ``model`` is the wrapper on some paths and a plain module on
         the others (``if is_dist(): model = DDP(model)``): true exactly on the paths of the wrapper,
         not a test of its own (which would let a run be distributed with an unwrapped model)."""
-        if not (isinstance(node.func, ast.Name) and node.func.id == "isinstance" and len(node.args) == 2 and
-                isinstance(node.args[0], ast.Name)):
+        name, kinds = wrapper_type_test(self.flow.values, node, fr.scope)
+        if name is None or not kinds <= {"ddp", "fsdp"}:
             return None
-        known = st.env.get(node.args[0].id)
+        known = st.env.get(name)
         if known is None or len(known.alts) < 2:
             return None
-        from synccheck.analyzer.project import vocabulary as vocab
-        from synccheck.analyzer.project.values import Ext, Inst, Obj, Tup, Wrapper
-        classes = self.flow.values.expr(node.args[1], fr.scope)
-        classes = frozenset(x for v in classes for x in (frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
-        kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
-        if not kinds or "" in kinds or not kinds <= {"ddp", "fsdp"}:
-            return None
+        from synccheck.analyzer.project.values import Inst, Obj, Wrapper
         true = false = FALSE
         for guard, values in known.alts:
             if values and all(isinstance(v, Wrapper) and v.kind in kinds for v in values):
@@ -508,6 +502,22 @@ def _parse_dump(dump: str):
     if dump.startswith("Constant(value=") and dump.endswith(")"):
         return dump[len("Constant(value="):-1]
     raise ValueError(dump)
+
+
+def wrapper_type_test(values, test, scope) -> tuple:
+    """(the name tested, the wrapper kinds of its classes) for ``isinstance(model, DDP)`` or
+    ``isinstance(model, (FSDP, DDP))``; (None, set()) for any other test, or classes not all wrappers."""
+    if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and
+            len(test.args) == 2 and isinstance(test.args[0], ast.Name)):
+        return None, set()
+    from synccheck.analyzer.project import vocabulary as vocab
+    from synccheck.analyzer.project.values import Ext, Tup
+    classes = values.expr(test.args[1], scope)
+    classes = frozenset(x for v in classes for x in (frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
+    kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
+    if not kinds or "" in kinds:
+        return None, set()
+    return test.args[0].id, kinds
 
 
 _ATTRIBUTE_DUMP = re.compile(r"Attribute\(value=(.*), attr='(\w+)', ctx=Load\(\)\)$")
