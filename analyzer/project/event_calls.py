@@ -89,9 +89,7 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
 def _spread_dict(flow, node, fr) -> list:
     """(key, value expression) of the dict literal a ``**`` argument spells, or the one a name is
     bound to once in this function; only entries read from names (no call is evaluated twice)."""
-    if isinstance(node, ast.Name):
-        bound = flow.values.bound_expressions(node.id, fr.scope)
-        node = bound[0][0] if len(bound) == 1 else None
+    node = flow.values.bound_once(node, fr.scope)
     if not isinstance(node, ast.Dict) or len(node.keys) > 64:
         return []
     return [(k.value, v) for k, v in zip(node.keys, node.values)

@@ -319,10 +319,7 @@ def _by_truth(flow, node: ast.Subscript, fr):
     key = ("by truth", id(node))
     if key in flow.memo:
         return flow.memo[key]
-    table = node.value
-    if isinstance(table, ast.Name):
-        bound = flow.values.bound_expressions(table.id, fr.scope)
-        table = bound[0][0] if len(bound) == 1 else None
+    table = flow.values.bound_once(node.value, fr.scope)
     chosen = None
     if isinstance(table, ast.Dict) and len(table.keys) == 2 and all(
             isinstance(k, ast.Constant) and isinstance(k.value, bool) for k in table.keys) and \

@@ -101,6 +101,14 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
         module = self.module_of(scope)
         return [(value, module) for value in module.globals.get(name, ())]
 
+    def bound_once(self, node, scope):
+        """The expression a name is bound to when it is bound once (bound_expressions), else None; any
+        other node as it is (``{True: a, False: b}[flag]`` and ``table[flag]`` with ``table = {...}``)."""
+        if not isinstance(node, ast.Name):
+            return node
+        bound = self.bound_expressions(node.id, scope)
+        return bound[0][0] if len(bound) == 1 else None
+
     @staticmethod
     def module_of(scope) -> Module:
         return scope.module if isinstance(scope, Function) else scope
