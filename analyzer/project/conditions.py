@@ -411,19 +411,19 @@ class Conditions:
         if modulus is None:
             name = _name_in_dump(mod[1])
             modulus = self.flow.constant(name, fr) if name else None
+        # ``cfg.grad_accum`` back from its dump, placed at the test (None for a plain name)
+        made = _attribute_from_dump(mod[1]) if modulus is None else None
+        if made is not None:
+            for part in ast.walk(made):
+                ast.copy_location(part, node)
         if modulus is None and fr.ones:
             # inside ``else:`` of ``if cfg.ACCUMULATION_STEPS > 1:`` the count is 1 (Swin's trainer)
-            made = _attribute_from_dump(mod[1]) if mod[1].startswith("Attribute(") else None
             text = ast.unparse(made) if made is not None else _name_in_dump(mod[1])
             modulus = 1 if text in fr.ones else None
-        if modulus is None and mod[1].startswith("Attribute("):
+        if modulus is None and made is not None and self._record_field(made, fr):
             # ``(i + 1) % cfg.grad_accum == 0`` with a record field left to its default of 1
             from synccheck.analyzer.project.values import Const
-            made = _attribute_from_dump(mod[1])
-            if made is not None:
-                for part in ast.walk(made):
-                    ast.copy_location(part, node)
-            vals = self.flow.values.expr(made, fr.scope) if made is not None and self._record_field(made, fr) else ()
+            vals = self.flow.values.expr(made, fr.scope)
             if len(vals) == 1:
                 (v,) = tuple(vals)
                 modulus = v.value if isinstance(v, Const) and isinstance(v.value, int) else None
