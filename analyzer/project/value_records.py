@@ -40,19 +40,20 @@ class RecordValues:
             return frozenset()
         index = fields.index(attr)
         out = set()
-        builders = 0
+        builders, spread = 0, False
         for scope, call in self.calls(klass.node.name):
             if not any(isinstance(v, Cls) and v.cls is klass for v in self.expr(call.func, scope)):
                 continue
             builders += 1
-            if any(kw.arg is None for kw in call.keywords) or any(isinstance(a, ast.Starred) for a in call.args):
-                builders = -1_000_000      # ``TrainConfig(**vars(args))``: any field may be given
+            # ``TrainConfig(**vars(args))``: any field may be given
+            spread = spread or any(kw.arg is None for kw in call.keywords) or \
+                any(isinstance(a, ast.Starred) for a in call.args)
             given = next((kw.value for kw in call.keywords if kw.arg == attr), None)
             if given is None and index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args):
                 given = call.args[index]
             if given is not None:
                 out |= self.expr(given, scope)
-        if not out and builders > 0:
+        if not out and builders and not spread:
             # every builder in view leaves the field to its default (``grad_accum: int = 1``): that is
             # its value, unless the class is also handed to something that may fill it (a CLI parser)
             default = self._field_default(klass, attr)
