@@ -102,10 +102,10 @@ class Sampler:
                 self._launch(rec)
         for rec in self.recorders.values():
             proc = rec.proc
-            if proc is not None and proc.poll() is None:
-                self._stop_if_worker_exited(rec)
-                continue
             if proc is None:
+                continue
+            if proc.poll() is None:
+                self._stop_if_worker_exited(rec)
                 continue
             rec.proc = None
             if proc.returncode < 0:
