@@ -253,8 +253,10 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         if cache is not None and not path.endswith(".ipynb"):
             cache.note(path, entry.key, entry.gated, entry.imports, entry.eager)
     candidates = {p: e for p, e in entries.items() if e.gated}
-    # a lint of single files (a pre-commit hook): the files beside them that import them are context
-    if candidates and all(os.path.isfile(p) for p in paths):
+    # only files named (a pre-commit hook): the project modules they use are not in the lint set, and
+    # the files beside them that import them are context
+    single_files = all(os.path.isfile(p) for p in paths)
+    if candidates and single_files:
         linted = set(candidates)
         for apath in list(candidates):
             for other in importers_beside(apath, linted):
@@ -297,8 +299,6 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     # the folders named on the command line are where absolute imports may start too (``from
     # common.trainer import train`` in vqa/function/train.py, run from the repository's top)
     lint_roots = tuple(r for r in components.roots if os.path.isdir(r))
-    # only files named (a pre-commit hook): the project modules they use are not in the lint set
-    single_files = all(os.path.isfile(p) for p in paths)
     jobs_in = [([(e.path, e.text if e.eager else None, e.notebook, e.linted, e.eager, e.imports)
                  for e in work[i][1]], codes, edits, lint_roots, single_files) for i in order]
     results = pool.map(_analyse_component, jobs_in, [sizes[i] for i in order])
