@@ -60,6 +60,10 @@ def _subscript_calls(module, registry: str) -> list:
     return out
 
 
+# the most concrete subclasses whose constructions are looked for (see _parameter)
+MAX_MADE_CLASSES = 12
+
+
 class ParameterValues:
     """What a function's parameters hold, from its callers (a part of Values)."""
 
@@ -77,9 +81,11 @@ class ParameterValues:
             if any(called_name(d) == "classmethod" for d in node.decorator_list):
                 return frozenset(Cls(k) for k in self.project.subclasses(fn.cls))
             concrete = self._concrete(self.project.subclasses(fn.cls))
-            if len(concrete) > 1 and fn.node.name not in ("__init__", "__call__"):
+            if 1 < len(concrete) <= MAX_MADE_CLASSES and fn.node.name not in ("__init__", "__call__"):
                 # ``TrainerBase.train`` where only ``AccumTrainer(...)`` is ever built: a class nobody
-                # builds (``SimpleTrainer``, whose ``run_step`` steps every time) runs no method here
+                # builds (``SimpleTrainer``, whose ``run_step`` steps every time) runs no method here.
+                # (A framework base with hundreds of subclasses, ``nn.Module`` in torch's own code, is
+                # not a trainer hierarchy: finding where each is built would parse most of the package)
                 made = [k for k in concrete if self._made(k, load=True)]
                 concrete = made or concrete
             return frozenset(Inst(k) for k in concrete)
