@@ -12,7 +12,7 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.conditions import distributed_switch, wrapper_type_test
+from synccheck.analyzer.project.conditions import DECIDED_KINDS, distributed_switch, wrapper_type_test
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.flow_state import Frame, St
 from synccheck.analyzer.project.guards import TRUE, depends_on
@@ -20,9 +20,6 @@ from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import Inst, Obj, Wrapper
 
 _SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync")
-
-# wrappers whose kind the code decides (a test of their class can tell them apart)
-DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2"))
 
 
 class Branches:

@@ -21,6 +21,9 @@ from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.traversal import children, walk
 
+# wrapper kinds fixed when the wrapper is built (an accelerate or fabric model's is decided at run time)
+DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2"))
+
 BOTH = (TRUE, TRUE)
 
 
@@ -374,15 +377,23 @@ class Conditions:
         if name is None or not kinds <= {"ddp", "fsdp"}:
             return None
         known = st.env.get(name)
-        if known is None or len(known.alts) < 2:
-            return None
         from synccheck.analyzer.project.values import Inst, Obj, Wrapper
+        if known is None or len(known.alts) < 2:
+            # one value on every path: a wrapper of the kind tested is the test's answer
+            # (``if isinstance(model, FSDP) and ii != accum_freq`` after ``model = FSDP(model)``)
+            values = known.alts[0][1] if known is not None else self.flow.values.name(name, fr.scope, node.lineno)
+            if values and all(isinstance(v, Wrapper) and v.kind in kinds for v in values):
+                return TRUE, FALSE
+            return None
         true = false = FALSE
         for guard, values in known.alts:
             if values and all(isinstance(v, Wrapper) and v.kind in kinds for v in values):
                 true |= guard
-            elif values and all(isinstance(v, (Obj, Inst)) and not self.flow.program.wrappers(frozenset((v,)))
+            elif values and all(isinstance(v, (Obj, Inst)) and not self.flow.program.wrappers(frozenset((v,))) or
+                                isinstance(v, Wrapper) and v.kind in DECIDED_KINDS and v.kind not in kinds
                                 for v in values):
+                # a plain module, or a wrapper of another kind decided when it was built (DDP on the
+                # paths where the FSDP test fails)
                 false |= guard
             else:
                 return None

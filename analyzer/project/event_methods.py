@@ -188,7 +188,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         for _, a in named:
             models |= program.wrappers(a.values)
         effect = "managed" if attr == "accumulate" else "off"
-        return _val(frozenset((FlowCtx(effect, models, site, _text(fr, node)),)))
+        # the accelerator whose micro-step counter ``accumulate()`` moves, when it was given a
+        # gradient_accumulation_steps (each call counts a micro-step: see sync_control.push_controls)
+        counted = [v.site for v in vals if isinstance(v, Framework) and v.kind == "accelerate" and v.accumulates == "yes"]
+        counter = counted[0] if attr == "accumulate" and len(counted) == 1 else ()
+        return _val(frozenset((FlowCtx(effect, models, site, _text(fr, node), counter=counter),)))
     if attr == "accumulate" and any(isinstance(v, Accumulator) for v in vals):
         models = frozenset()
         for v in vals:

@@ -36,6 +36,7 @@ class FlowCtx(NamedTuple):
     site: tuple
     how: str = ""
     enabled: Optional[tuple] = None      # fabric's enabled=: (true, false) guards
+    counter: tuple = ()          # accelerate's accumulate(): the accelerator whose step counter it moves
 
 
 class FlowFactory(NamedTuple):

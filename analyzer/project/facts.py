@@ -53,6 +53,7 @@ class Records:
         self.switches: set = set()       # stable atoms of the tests that guard a zero_grad (Flow.if_)
         self.helper_flags: set = set()   # with-item sites of helper contexts that write the DDP flag
         self.bypassed: set = set()       # forward sites that call the module inside a DDP wrapper
+        self.recounted: dict = {}        # accumulate() site -> the accumulate() of the same accelerator it is inside
 
     def node(self, site, module, node) -> None:
         self.nodes.setdefault(site, (module, node))

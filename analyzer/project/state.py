@@ -35,6 +35,7 @@ class Control(NamedTuple):
     site: tuple               # where it was entered (a ``with``, ``enter_context``)
     owner: int                # the ``with`` statement whose exit removes it
     how: str
+    counter: tuple = ()       # accelerate's accumulate(): the site of the accelerator it counts micro-steps of
 
 
 class Forward(NamedTuple):

@@ -42,7 +42,13 @@ def push_controls(flow, node, value: EnvVal, st, fr, owner: int, at=None) -> Non
             if others or not ctxs:
                 yield prop, g
             for c in ctxs:
-                control = Control(c.models, c.effect, site, owner, c.how)
+                control = Control(c.models, c.effect, site, owner, c.how, c.counter)
+                if c.counter:
+                    outer = next((k for k in prop.controls if k.counter == c.counter and k.site != site), None)
+                    if outer is not None:
+                        # ``with accelerator.accumulate(unet), accelerator.accumulate(text_encoder):``:
+                        # each call counts a micro-step, so the counter moves twice per micro-step
+                        flow.records.recounted.setdefault(site, outer.site)
                 if c.enabled is None:
                     yield prop._replace(controls=prop.controls + (control,)), g
                 else:

@@ -76,14 +76,18 @@ class AttributeValues:
 
     def _instance_attribute(self, inst: Inst, attr: str) -> frozenset:
         out = set()
+        replaced = False
         for klass in self.project.mro(inst.cls):
             if attr in klass.methods:
                 return self._method_value(klass.methods[attr], inst)
             for scope, value, path in _class_attrs(self, klass).get(attr, ()):
+                if replaced and isinstance(scope, Function) and scope.cls is klass and scope.node.name == "__init__":
+                    continue        # a base's constructor stored it; the subclass's replaced it after
                 if path == ITEM:
                     out.add(Bag(_cap(self.expr(value, scope)), True))
                     continue
                 out |= self.unpack(self.expr(value, scope), path, value, scope)
+            replaced = replaced or _stored_after_super_init(klass, attr)
         # a dataclass / NamedTuple field: what its builders pass (``State(model=DDP(net))``)
         out |= self.record_field(inst.cls, attr)
         # stores from outside: ``trainer.model = DDP(...)``
@@ -156,6 +160,30 @@ class AttributeValues:
 
 
 _LOADER_SAMPLERS = ("sampler", "batch_sampler")
+
+
+def _stored_after_super_init(klass, attr: str) -> bool:
+    """Does the class's ``__init__`` call ``super().__init__(...)`` and then, unconditionally, store
+    ``self.<attr>``? (``self.model = DDP(self.model)`` after the base stored the plain module: every
+    instance holds the wrapper, whatever the base's constructor stored.)"""
+    init = klass.methods.get("__init__")
+    if init is None or not init.params:
+        return False
+    me = init.params[0]
+    called = False
+    for stmt in init.node.body:
+        if not called:
+            call = stmt.value if isinstance(stmt, ast.Expr) else None
+            called = isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
+                call.func.attr == "__init__" and (isinstance(call.func.value, ast.Call) and
+                                                  called_name(call.func.value) == "super" or
+                                                  bool(call.args) and isinstance(call.args[0], ast.Name) and
+                                                  call.args[0].id == me)
+        elif isinstance(stmt, ast.Assign) and any(
+                isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == me
+                for t in stmt.targets):
+            return True
+    return False
 
 
 def _receiver_of(node):

@@ -168,3 +168,14 @@ class UnsyncedStep(Rule):
                            f"{detail}: the optimizer steps on gradients that were never all-reduced, so each "
                            f"rank applies a different update and the replicas silently diverge",
                            FIX, autofix=autofix)
+            for site, outer in flow.records.recounted.items():
+                module, node = ctx.node(flow, site)
+                if node is None:
+                    continue
+                ctx.report(self, module, node,
+                           f"`{ctx.text(module, node)}` runs inside `{ctx.control_text(flow, outer)}` of the same "
+                           f"accelerator: each `accumulate()` counts a micro-step, so the counter moves twice per "
+                           f"micro-step and the outer call's models stay under no_sync at the step (with 2 "
+                           f"accumulation steps, on every micro-step): the optimizer steps on gradients that were "
+                           f"never all-reduced and the replicas silently diverge",
+                           "name every model in one call: `accelerator.accumulate(unet, text_encoder)`")
