@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import Ext, Framework, parameter_default
+from synccheck.analyzer.project.values import Ext, Framework, Inst, parameter_default
 from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
 from synccheck.analyzer.project.rank_tests import RankTests, _kind, _negation, _ranked
 
@@ -236,6 +236,9 @@ class _RankChecker(RankTests):
                 return _kind(attr)
             if isinstance(v, Framework) and attr in vocab.FRAMEWORK_COLLECTIVES:
                 return _kind(attr)
+            if isinstance(v, Inst) and attr == "all_gather" and self._lightning_module(v.cls):
+                # ``self.all_gather(x)`` in a LightningModule gathers over every rank
+                return _kind(attr)
         text = ast.unparse(func.value)
         if text in ("dist", "torch.distributed", "distributed") and attr in vocab.COLLECTIVES:
             return _kind(attr)
@@ -243,6 +246,9 @@ class _RankChecker(RankTests):
         if text.endswith(("accelerator", "fabric", "strategy")) and attr in vocab.FRAMEWORK_COLLECTIVES:
             return _kind(attr)
         return None
+
+    def _lightning_module(self, cls) -> bool:
+        return any(vocab.tail(b) == "LightningModule" for b in self.values.project.external_bases(cls))
 
     def _may_name_collective(self, name: str, scope) -> bool:
         """Can a plain name called here be torch.distributed's collective: it is one's name, or the

@@ -23,7 +23,7 @@ RANK_DECORATOR = re.compile(r"^[ \t]*@[\w.]*\b(?:" + "|".join(RANK_DECORATORS) +
 COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric|strategy)\.(barrier|monitored_barrier|all_reduce|"
                    r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|gather_for_metrics|scatter\w*|"
                    r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
-COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT)
+COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\bself\.all_gather\(")     # (and a LightningModule's own gather)
 
 
 # what may follow one of CALL_PREFIXES in a collective call: COLLECTIVE_TEXT without its prefix
@@ -40,7 +40,7 @@ def _has_collective(text: str) -> bool:
             if not (before.isalnum() or before == "_") and _COLLECTIVE_NAME.match(text, start + len(prefix)):
                 return True
             start = text.find(prefix, start + 1)
-    return False
+    return "self.all_gather(" in text       # a LightningModule's own gather
 
 
 DEFINED = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
