@@ -99,7 +99,28 @@ def _module_paths(here: str, level: int, name: str, roots: list) -> list:
         if pair is None:
             pair = _targets[(base, name)] = _target_files(base, name)
         out += pair
+    if not level and "." in name:
+        # ``import mae_st.util.misc`` in a repository that is itself the package ``mae_st`` (no
+        # ``__init__.py``, run from the folder above): the rest of the name, from the folder of
+        # that name (a clone may be named ``owner+mae_st@commit`` or ``mae-st``)
+        head, rest = name.split(".", 1)
+        for base in bases:
+            if folder_word(base) == head.lower():
+                out += _target_files(base, rest)
     return out
+
+
+def folder_word(folder: str) -> str:
+    """A folder's name as a package name: ``facebookresearch+mae_st@c5dec1b`` and ``mae-st`` are
+    ``mae_st``."""
+    word = _folder_words.get(folder)
+    if word is None:
+        word = os.path.basename(folder).split("@", 1)[0].rsplit("+", 1)[-1].replace("-", "_").lower()
+        _folder_words[folder] = word
+    return word
+
+
+_folder_words: dict = {}
 
 
 def _target_files(base: str, name: str) -> tuple:

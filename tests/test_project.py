@@ -1149,3 +1149,52 @@ def test_single_file_lint_reads_the_nearest_importers_first(tmp_path):
     write_project(tmp_path, files)
     got = found(tmp_path, [tmp_path / "src/pkg/utils/train_utils.py"])
     assert got == expected(tmp_path, files), got
+
+
+@pytest.mark.parametrize("folder", ["mae_st", "mae-st", "facebookresearch+mae_st@c5dec1b"])
+def test_repository_that_is_its_own_namespace_package(tmp_path, folder):
+    # facebookresearch/mae_st: no __init__.py anywhere, and the scripts import their siblings as
+    # ``mae_st.engine_pretrain`` (run from the folder above the clone, whatever the clone is called)
+    files = {
+        "main_pretrain.py": """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel
+            import mae_st.util.misc as misc
+            from mae_st.engine_pretrain import train_one_epoch
+
+            def main(args):
+                model = build_model(args)
+                if args.distributed:
+                    model = DistributedDataParallel(model, device_ids=[args.gpu])
+                optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+                loss_scaler = misc.Scaler()
+                for epoch in range(args.epochs):
+                    train_one_epoch(model, loader, optimizer, epoch, loss_scaler, args=args)
+        """,
+        "engine_pretrain.py": """
+            def train_one_epoch(model, data_loader, optimizer, epoch, loss_scaler, args=None):
+                accum_iter = args.accum_iter
+                for data_iter_step, samples in enumerate(data_loader):
+                    loss = model(samples) / accum_iter
+                    loss_scaler(loss, optimizer, update_grad=(data_iter_step + 1) % accum_iter == 0)  # SC101
+                    if (data_iter_step + 1) % accum_iter == 0:
+                        optimizer.zero_grad()
+        """,
+        "util/misc.py": """
+            import torch
+
+            class Scaler:
+                def __init__(self):
+                    self._scaler = torch.cuda.amp.GradScaler()
+
+                def __call__(self, loss, optimizer, update_grad=True):
+                    self._scaler.scale(loss).backward()
+                    if update_grad:
+                        self._scaler.step(optimizer)
+                        self._scaler.update()
+        """,
+    }
+    root = tmp_path / folder
+    write_project(root, files)
+    got = found(root, [root / "engine_pretrain.py"])
+    assert got == expected(root, files), got

@@ -13,7 +13,7 @@ import ast
 import os
 from typing import Optional
 
-from synccheck.analyzer.imports import by_tail, path_tails
+from synccheck.analyzer.imports import by_tail, folder_word, path_tails
 from synccheck.analyzer.project.definitions import Class, External, GlobalRef, Module, ModuleRef
 from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
 
@@ -39,10 +39,17 @@ class Resolution:
             path = self._find_cache[key]
             return self._load(path) if path else None
         found = None
-        for root in self._search_roots(importer):
+        roots = self._search_roots(importer)
+        for root in roots:
             found = self._find_path(root, name.split("."))
             if found:
                 break
+        if found is None and "." in name:
+            # ``import mae_st.util.misc`` in the repository that is the package ``mae_st``
+            # (imports.folder_word)
+            head, rest = name.split(".", 1)
+            found = next((f for root in roots if folder_word(root) == head.lower()
+                          for f in (self._find_path(root, rest.split(".")),) if f), None)
         if found is None:
             found = self._lint_set_suffix(name)
         self._find_cache[key] = found
