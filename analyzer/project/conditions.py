@@ -376,27 +376,59 @@ class Conditions:
         name, kinds = wrapper_type_test(self.flow.values, node, fr.scope)
         if name is None or not kinds <= {"ddp", "fsdp"}:
             return None
-        known = st.env.get(name)
+        from synccheck.analyzer.project.state import EnvVal
         from synccheck.analyzer.project.values import Inst, Obj, Wrapper
-        if known is None or len(known.alts) < 2:
-            # one value on every path: a wrapper of the kind tested is the test's answer
-            # (``if isinstance(model, FSDP) and ii != accum_freq`` after ``model = FSDP(model)``)
-            values = known.alts[0][1] if known is not None else self.flow.values.name(name, fr.scope, node.lineno)
-            if values and all(isinstance(v, Wrapper) and v.kind in kinds for v in values):
-                return TRUE, FALSE
-            return None
-        true = false = FALSE
+        known = st.env.get(name)
+        if known is None:
+            known = EnvVal(((TRUE, self.flow.values.name(name, fr.scope, node.lineno)),))
+        wrappers = self.flow.program.wrappers
+        split = []          # (guard, values of the kinds tested, the other values)
         for guard, values in known.alts:
-            if values and all(isinstance(v, Wrapper) and v.kind in kinds for v in values):
-                true |= guard
-            elif values and all(isinstance(v, (Obj, Inst)) and not self.flow.program.wrappers(frozenset((v,))) or
-                                isinstance(v, Wrapper) and v.kind in DECIDED_KINDS and v.kind not in kinds
-                                for v in values):
-                # a plain module, or a wrapper of another kind decided when it was built (DDP on the
-                # paths where the FSDP test fails)
-                false |= guard
-            else:
+            if not values:
                 return None
+            yes = frozenset(v for v in values if isinstance(v, Wrapper) and v.kind in kinds)
+            no = frozenset(v for v in values if v not in yes and (
+                isinstance(v, (Obj, Inst)) and not wrappers(frozenset((v,))) or
+                # a wrapper of another kind decided when it was built (DDP where the FSDP test fails)
+                isinstance(v, Wrapper) and v.kind in DECIDED_KINDS))
+            if len(yes) + len(no) != len(values):
+                return None
+            split.append((guard, yes, no))
+        if len(split) == 1 and not split[0][2]:
+            return TRUE, FALSE      # one value on every path, the wrapper tested (``model = FSDP(model)``)
+        true = false = FALSE
+        for guard, yes, no in split:
+            if yes:
+                true |= guard
+            if no:
+                false |= guard
+        if not true:
+            return None if len(split) == 1 else (true, false)
+        if not true & false:
+            return true, false
+        # ``model`` may be FSDP or DDP on the same paths (a parameter, ``FSDP(m) if cfg.fsdp else
+        # DDP(m)``): which one is a condition of its own, the same for the whole run, and the name's
+        # values are split by it from here on (open_lm: the FSDP model under no_sync, the DDP one not).
+        # The split is made again each time the test runs (a loop's next turn joins the values from
+        # before the loop, not split yet)
+        atom = self.atoms.get(("TYPE", name, tuple(sorted(kinds)), id(fr.scope)), _text(fr, node))
+        if atom is None:
+            return None
+        self.flow.note_atom(atom, (), False, (name,))     # (the same on every turn of a loop)
+        on, off = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
+        alts = []
+        for guard, yes, no in split:
+            if yes and guard & on:
+                alts.append((guard & on, yes))
+            if no and guard & off:
+                alts.append((guard & off, no))
+        st.env[name] = known._replace(alts=tuple(alts))
+        true = false = FALSE
+        for guard, values in alts:
+            if guard & on:
+                true |= guard
+            else:
+                false |= guard
         return true, false
 
     def _record_field(self, attribute: ast.Attribute, fr) -> bool:

@@ -266,18 +266,24 @@ def _forward_by_alts(flow, node, callee: EnvVal, args, kws, st, fr) -> EnvVal:
     paths overlap (``model = DDP(model) if args.ddp else model`` under a test the table does not
     model: both alternatives hold everywhere), the values are one may-set: splitting the state would
     make a path where the model is plain and inherits the wrapper's earlier micro-steps."""
-    formulas = [f for f, _ in callee.alts]
+    merged: dict = {}
+    for formula, vals in callee.alts:
+        merged[vals] = merged.get(vals, 0) | formula     # (a loop's joins repeat an alternative)
+    alts = [(f, v) for v, f in merged.items()]
+    formulas = [f for f, _ in alts]
     if any(formulas[i] & formulas[j] for i in range(len(formulas)) for j in range(i + 1, len(formulas))):
         return forward(flow, node, flow.program.wrappers(callee.values), args, kws, st, fr)
     parts = []
     result = None
-    for formula, vals in callee.alts:
+    for formula, vals in alts:
         part = flow.restrict(st.copy(), formula)
         if part is None or not part.props:
             continue
         wrappers = flow.program.wrappers(vals)
         if wrappers:
-            result = forward(flow, node, wrappers, args, kws, part, fr)
+            made = forward(flow, node, wrappers, args, kws, part, fr)
+            # (the loss comes from whichever model ran: the provenance of every alternative)
+            result = made if result is None else made._replace(prov=result.prov | made.prov)
         parts.append(part)
     joined = flow.join(parts)
     st.props = joined.props if joined is not None else {}
