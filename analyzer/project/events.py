@@ -61,6 +61,12 @@ class SyncSetter(NamedTuple):
 
 
 NONE_VAL = EnvVal(((TRUE, frozenset((Const(None),))),))
+
+
+def is_one(value: EnvVal) -> bool:
+    """Is the value the number 1 on every path (a divisor that divides by nothing)?"""
+    vals = value.values
+    return bool(vals) and all(isinstance(v, Const) and type(v.value) in (int, float) and v.value == 1 for v in vals)
 _NONE = Const(None)
 _new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
 
@@ -132,6 +138,10 @@ def expr(flow, node, st, fr) -> EnvVal:
         elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _WORLD_SIZE.search(ast.unparse(node.right)):
             # ``loss / world_size``: an average over the ranks (which DDP's all-reduce already does),
             # not over the micro-steps
+            scaled = left.scaled
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right):
+            # ``loss / accum_steps`` where ``accum_steps`` is a parameter left at its default of 1 by
+            # every caller: divided by nothing
             scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True

@@ -166,8 +166,8 @@ class Flow(Branches, Loops):
             if product is not events._UNWEIGHTED:
                 scaled = product             # ``loss *= weight``
             else:
-                scaled = True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled,
-                                                                                                      value.scaled)
+                scaled = old.scaled if isinstance(s.op, (ast.Div, ast.FloorDiv)) and events.is_one(value) else \
+                    True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled, value.scaled)
             moved = None
             if isinstance(s.target, (ast.Name, ast.Attribute)):
                 moved = origin_of(ast.BinOp(s.target, s.op, s.value), st)    # ``step += 1``
