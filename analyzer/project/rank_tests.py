@@ -58,10 +58,26 @@ class RankTests:
             if "main" not in (on_true, on_false) and "other" not in (on_true, on_false):
                 return None, None
             return on_true, on_false
+        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot)) and \
+                _is_none(test.comparators[0]):
+            # ``if writer is not None:`` with ``writer = SummaryWriter(...) if rank == 0 else None``
+            made = self._none_unless(test.left, scope, depth)
+            if made is not None:
+                on_true, on_false = self._sides(made[0], made[1], depth + 1)
+                return (on_true, on_false) if isinstance(test.ops[0], ast.IsNot) else (on_false, on_true)
         if isinstance(test, ast.Name) and not _main_name(test.id):
             value, where = self._bound(test, scope)
             if value is not None:
                 return self._sides(value, where, depth + 1)
+            made = self._none_unless(test, scope, depth)
+            if made is not None:
+                return self._sides(made[0], made[1], depth + 1)
+        if isinstance(test, ast.IfExp) and (_is_none(test.orelse) or _is_none(test.body)) and \
+                not (_is_none(test.orelse) and _is_none(test.body)):
+            # ``if writer:`` with ``writer = SummaryWriter(...) if rank == 0 else None``: an object
+            # where the test holds, None elsewhere
+            on_true, on_false = self._sides(test.test, scope, depth + 1)
+            return (on_true, on_false) if _is_none(test.orelse) else (on_false, on_true)
         if _no_rank(test):
             # ``args.local_rank == -1``: the job is not distributed
             return ("single", None) if isinstance(test.ops[0], (ast.Eq, ast.In, ast.Is)) else (None, "single")
@@ -146,6 +162,30 @@ class RankTests:
         found = table.get(attr, ())
         return found[0] if len(found) == 1 else None
 
+    def _none_unless(self, node, scope, depth: int):
+        """(test, its scope) when ``node`` is None exactly where the test fails: a name bound to
+        ``X if test else None``, or a parameter every caller passes such a name."""
+        if depth > 4 or not isinstance(node, ast.Name):
+            return None
+        value, where = self._bound(node, scope)
+        if value is None and isinstance(scope, Function) and node.id in scope.params and \
+                not any(isinstance(n, ast.Name) and n.id == node.id and isinstance(n.ctx, ast.Store)
+                        for n in ast.walk(scope.node)):
+            from synccheck.analyzer.project.value_helpers import _argument
+            index = scope.params.index(node.id)
+            made = None
+            callers = self.values.callers(scope)
+            for caller, call, shift in callers:
+                arg = _argument(call, scope, node.id, index, shift)
+                found = self._none_unless(arg, caller, depth + 1) if arg is not None else None
+                if found is None or (made is not None and ast.dump(found[0]) != ast.dump(made[0])):
+                    return None
+                made = found
+            return made
+        if isinstance(value, ast.IfExp) and _is_none(value.orelse) and not _is_none(value.body):
+            return value.test, where
+        return None
+
     def _bound(self, name: ast.Name, scope) -> tuple:
         """(the expression a name is bound to unconditionally, its scope), or (None, None)."""
         if isinstance(scope, Function):
@@ -156,6 +196,10 @@ class RankTests:
         for value in module.globals.get(name.id, ()):
             return value, module
         return None, None
+
+
+def _is_none(node) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
 
 
 def _kind(name: str) -> str:
