@@ -136,8 +136,11 @@ class Words:
                 for value, path in self.values.info(scope).assigns[base.id]:
                     if isinstance(value, ast.Call) and not path and isinstance(value.func, (ast.Name, ast.Attribute)):
                         sym = self.project.resolve_expr(module, value.func)
-                        if isinstance(sym, Class):
-                            found.extend(_callables(self.project, self.project.attribute(sym, func.attr)))
+                        # (``trainer = build_trainer(args)``, a factory that returns ``YoloTrainer(args)``)
+                        for klass in [sym] if isinstance(sym, Class) else _returned_classes(self.project, sym):
+                            for target in _callables(self.project, self.project.attribute(klass, func.attr)):
+                                if target not in found:
+                                    found.append(target)
                 return found
             if isinstance(base, (ast.Name, ast.Attribute)):
                 sym = self.project.resolve_expr(module, base)
@@ -178,6 +181,21 @@ class Words:
 
 # a method whose name says it steps an optimizer, other than the optimizer's (or a scheduler's) own
 _STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim\w*step|\w*step_optim")
+
+
+def _returned_classes(project, fn) -> list:
+    """The project classes a function returns instances of, built in its return statements
+    (``return YoloTrainer(args)``); none for anything but a function."""
+    if not isinstance(fn, Function):
+        return []
+    out = []
+    for node in _walk_no_defs(fn.node):
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and \
+                isinstance(node.value.func, (ast.Name, ast.Attribute)):
+            sym = project.resolve_expr(fn.module, node.value.func)
+            if isinstance(sym, Class) and sym not in out:
+                out.append(sym)
+    return out
 
 
 def _callables(project, sym) -> list:
