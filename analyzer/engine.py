@@ -221,7 +221,8 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     from synccheck.analyzer.cache import component_key, content_key as hashed_key
     # the content keys only ever key the cache: without one, no hashing
     content_key = hashed_key if cache is not None else _no_key
-    from synccheck.analyzer.imports import Components, imported_names, importers_beside, read_imports
+    from synccheck.analyzer.imports import (Components, entry_methods, imported_names, importers_beside,
+                                           method_callers_beside, read_imports)
 
     files = discover(paths, is_excluded)
     result = LintResult(files=len(files))
@@ -256,10 +257,20 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     # only files named (a pre-commit hook): the project modules they use are not in the lint set, and
     # the files beside them that import them are context
     single_files = all(os.path.isfile(p) for p in paths)
+    links = []          # (file, a file calling its training methods on an object made out of view)
     if candidates and single_files:
         linted = set(candidates)
         for apath in list(candidates):
-            for other in importers_beside(apath, linted):
+            others = importers_beside(apath, linted)
+            data, _ = read_bytes(apath)
+            methods = entry_methods(data) if data else ()
+            if methods:
+                callers = method_callers_beside(apath, methods, linted)
+                links += [(apath, os.path.abspath(c)) for c in callers]
+                others += callers
+            for other in dict.fromkeys(others):
+                if os.path.abspath(other) in candidates:
+                    continue
                 entry, error = _read(other, content_key, imported_names, rules)
                 if entry is not None and entry.gated:
                     entry.linted = False
@@ -267,6 +278,8 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
     components = Components(paths)
     groups = components.build({p: e.imports for p, e in candidates.items()}, read_imports)
     groups = components.join(groups, {p: e.imports for p, e in entries.items() if not e.gated and e.imports})
+    if links:
+        groups = _linked(groups, [(a, b) for a, b in links if b in candidates])
     work = []
     for group in groups:
         members = []
@@ -310,6 +323,27 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
         if cache is not None and not any(e.message.startswith("not checked") for e in errors):
             cache.put(key, findings, errors, deps)      # (an internal error is not kept: the next run tries again)
     return result
+
+
+def _linked(groups: list, links: list) -> list:
+    """The groups, those that hold the two ends of a link merged."""
+    where = {p: i for i, group in enumerate(groups) for p in group}
+    parent = list(range(len(groups)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for a, b in links:
+        if a in where and b in where:
+            ra, rb = find(where[a]), find(where[b])
+            if ra != rb:
+                parent[max(ra, rb)] = min(ra, rb)
+    merged: dict = {}
+    for i, group in enumerate(groups):
+        merged.setdefault(find(i), []).extend(group)
+    return list(merged.values())
 
 
 def _read_files(args) -> list:

@@ -302,6 +302,61 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
 
 MAX_FAR_FOLDERS = 2000
 
+# ``def train_epoch(self, epoch, model, data_loader, ...)``: a method that trains a model it is handed
+_ENTRY_METHOD_DEF = re.compile(rb"^[ \t]+def[ \t]+((?:train|fit)\w*|\w*_epoch)[ \t]*\([ \t\r\n]*self\b[^)]*?\bmodel\b",
+                               re.M)
+
+
+def entry_methods(data: bytes) -> tuple:
+    """The training methods a file's classes define that take the model as a parameter."""
+    if b"model" not in data:
+        return ()
+    return tuple(dict.fromkeys(m.decode() for m in _ENTRY_METHOD_DEF.findall(data)))
+
+
+def method_callers_beside(path: str, names: tuple, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:
+    """Files of the project that call one of ``names`` as a method (``self.task.train_epoch(...)``
+    on a task a registry made: LAVIS's runner, which does not import the task's module): context for
+    a lint of single files, at most MAX_FAR_IMPORTERS of them, nearest folders first."""
+    here = os.path.dirname(os.path.abspath(path))
+    needles = [b"." + n.encode() + b"(" for n in names]
+    near = list(dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]))
+    folders = list(near)
+    top = _project_top(here)
+    if top is not None:
+        here_parts = here.split(os.sep)
+        far = list(islice(_project_folders(top, set(near)), MAX_FAR_FOLDERS))
+        far.sort(key=lambda d: -_shared_parts(here_parts, d.split(os.sep)))
+        folders += far
+    return _files_saying(folders, needles, path, linted, limit)[:MAX_FAR_IMPORTERS]
+
+
+def _files_saying(directories, needles: list, path: str, linted: set, limit: int) -> list:
+    out = []
+    scanned = 0
+    for directory in directories:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(".py") or _TEST_FILE.match(name):
+                continue
+            candidate = os.path.join(directory, name)
+            if candidate in linted or candidate == os.path.abspath(path):
+                continue
+            scanned += 1
+            if scanned > limit:
+                return out
+            try:
+                with open(candidate, "rb") as fh:
+                    data = fh.read(1_000_000)
+            except OSError:
+                continue
+            if any(n in data for n in needles):
+                out.append(candidate)
+    return out
+
 
 def _shared_parts(a: list, b: list) -> int:
     n = 0

@@ -1198,3 +1198,62 @@ def test_repository_that_is_its_own_namespace_package(tmp_path, folder):
     write_project(root, files)
     got = found(root, [root / "engine_pretrain.py"])
     assert got == expected(root, files), got
+
+
+def test_single_file_lint_reads_the_runner_that_calls_its_training_method(tmp_path):
+    # salesforce/LAVIS, MiniGPT-4, Video-LLaMA: the runner wraps the model in DDP and calls
+    # ``self.task.train_epoch(model=self.model, ...)`` on a task a registry made; it never imports
+    # the task's module, so it is not an importer of tasks/base_task.py
+    files = {
+        "pyproject.toml": "",
+        "runners/runner_base.py": """
+            import torch
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            class RunnerBase:
+                def __init__(self, cfg, task, model, loader):
+                    self.config = cfg
+                    self.task = task
+                    self._model = model
+                    self._wrapped_model = None
+                    self.loader = loader
+                    self.optimizer = torch.optim.AdamW(self._model.parameters(), lr=1e-4)
+
+                @property
+                def model(self):
+                    if self._wrapped_model is None:
+                        self._wrapped_model = DDP(self._model, device_ids=[self.config.gpu])
+                    return self._wrapped_model
+
+                def train(self):
+                    for epoch in range(self.config.max_epoch):
+                        self.task.train_epoch(epoch=epoch, model=self.model, data_loader=self.loader,
+                                              optimizer=self.optimizer,
+                                              accum_grad_iters=self.config.accum_grad_iters)
+        """,
+        "tasks/base_task.py": """
+            class BaseTask:
+                def train_step(self, model, samples):
+                    return model(samples)["loss"]
+
+                def train_epoch(self, epoch, model, data_loader, optimizer, accum_grad_iters=1):
+                    for i, samples in enumerate(data_loader):
+                        loss = self.train_step(model=model, samples=samples) / accum_grad_iters
+                        loss.backward()  # SC101
+                        if (i + 1) % accum_grad_iters == 0:
+                            optimizer.step()
+                            optimizer.zero_grad()
+        """,
+        "train.py": """
+            from tasks import setup_task
+            from runners import get_runner_class
+
+            def main(cfg, model, loader):
+                task = setup_task(cfg)
+                runner = get_runner_class(cfg)(cfg=cfg, task=task, model=model, loader=loader)
+                runner.train()
+        """,
+    }
+    write_project(tmp_path, files)
+    got = found(tmp_path, [tmp_path / "tasks/base_task.py"])
+    assert got == expected(tmp_path, files), got

@@ -168,6 +168,19 @@ class Project(Resolution):
                     out.append(module)
         return out
 
+    def load_calling(self, method: str, limit: int) -> list:
+        """Parse the catalogued files whose text calls ``.method(``, when there are at most ``limit``
+        of them (a method named all over a code base is nobody's entry point)."""
+        key = ("calling", method)
+        if key in self._searched or not self.catalog:
+            return []
+        self._searched.add(key)
+        needle = "." + method + "("
+        found = [a for a in list(self.catalog) if (self.catalog_text(a) or "").find(needle) != -1]
+        if not found or len(found) > limit:
+            return []
+        return [m for m in map(self._from_catalog, found) if m is not None]
+
     def catalog_text(self, apath: str) -> Optional[str]:
         """A catalogued file's text, read on first use; a file that cannot be read leaves the catalog."""
         path, text = self.catalog[apath]

@@ -9,6 +9,7 @@ does this.
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -16,7 +17,7 @@ from synccheck.analyzer.project.definitions import Class, Function, qualified_na
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import _argument, _calls_named, call_lines, called_name, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
-                                                    Framework, Inst, Obj, Wrapper, site_of)
+                                                    Framework, Inst, Obj, Unknown, Wrapper, site_of)
 
 
 def _through_local(call, scope) -> bool:
@@ -60,6 +61,10 @@ def _subscript_calls(module, registry: str) -> list:
     return out
 
 
+# a method whose callers out of view are looked for by its name (_memo_callers), and how many files
+# calling it are read at most
+_ENTRY_METHOD = re.compile(r"train|epoch|fit\b|fit_|step")
+MAX_DUCK_CALLERS = 6
 # the most concrete subclasses whose constructions are looked for (see _parameter)
 MAX_MADE_CLASSES = 12
 
@@ -254,6 +259,17 @@ class ParameterValues:
                     if shift is not None:
                         out.append((scope, call, shift))
                         break
+                else:
+                    if fn.cls is not None and self._duck_call(fn, scope, call):
+                        out.append((scope, call, 1))
+        if not out and fn.cls is not None and _ENTRY_METHOD.search(fn.node.name) and \
+                self.project.load_calling(fn.node.name, MAX_DUCK_CALLERS):
+            # a training method called on an object made out of view (``self.task.train_epoch(...)``,
+            # the task from a registry) in a file that does not import it: the files that call a
+            # method of that name, when they are few
+            for scope, call in self.calls(fn.node.name):
+                if self._duck_call(fn, scope, call):
+                    out.append((scope, call, 1))
         if fn.cls is not None and fn.node.name == "__init__":
             # ``super().__init__(model, data_loader, optimizer)`` in a subclass's own __init__ (detectron2's
             # ``AccumTrainer(SimpleTrainer)``): the base's parameters get what the subclass hands on
@@ -314,6 +330,23 @@ class ParameterValues:
                     if registry + "[" in other.text:
                         out.extend(_subscript_calls(other, registry))
         return out
+
+    def _duck_call(self, fn: Function, scope, call) -> bool:
+        """``self.task.train_epoch(model=self.model, ...)`` on an object made out of view (a task taken
+        from a registry: LAVIS, MiniGPT-4, Video-LLaMA) whose method of that name is, in the whole
+        project, only ``fn``'s family's (duck.py): a call of ``fn``."""
+        if not isinstance(call.func, ast.Attribute):
+            return False
+        receiver = self.expr(call.func.value, scope)
+        if not receiver or not all(isinstance(r, (Obj, Unknown)) for r in receiver):
+            return False
+        from synccheck.analyzer.project.duck import duck_method
+        caller_cls = scope.cls if isinstance(scope, Function) else None
+        key = ("duck", fn.node.name, caller_cls.uid if caller_cls is not None else None, id(call))
+        found = self._plain.get(key, False)
+        if found is False:
+            found = self._plain[key] = duck_method(self.project, fn.node.name, caller_cls, call)
+        return found is not None and found[0] is fn
 
     def _binds(self, v, fn: Function) -> Optional[int]:
         if isinstance(v, Func) and v.fn is fn:
