@@ -8,6 +8,7 @@ helper's own rank tests (``zero_first(rank=-1)``).
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from typing import NamedTuple, Optional
 
@@ -170,6 +171,8 @@ class _RankChecker(RankTests):
             targets = self.program.syntactic_targets(node, scope)
             if targets is None:
                 targets = self.program.call_targets(node, scope)
+            if not targets:
+                targets = self._communicating_method(node, scope)
             for fn in targets:
                 runs = self.runs(fn, _literal_arguments(node, fn, {}))
                 if runs:
@@ -247,6 +250,16 @@ class _RankChecker(RankTests):
             return _kind(attr)
         return None
 
+    def _communicating_method(self, call: ast.Call, scope) -> list:
+        """``meter.synchronize_between_processes()`` on a meter we cannot trace (a value of
+        ``defaultdict(SmoothedValue)``): a method whose name says it communicates, defined in the
+        project by one class family only (duck.py), is that family's."""
+        func = call.func
+        if not (isinstance(func, ast.Attribute) and _COMMUNICATING.search(func.attr)):
+            return []
+        bound = self.program.duck_method(func.attr, scope, call)
+        return [bound.fn] if bound is not None else []
+
     def _lightning_module(self, cls) -> bool:
         return any(vocab.tail(b) == "LightningModule" for b in self.values.project.external_bases(cls))
 
@@ -312,11 +325,13 @@ class _RankChecker(RankTests):
             if what:
                 out.add(what)
                 continue
-            for callee in self.program.syntactic_targets(call, fn) or ():
+            for callee in self.program.syntactic_targets(call, fn) or self._communicating_method(call, fn):
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
 _UNKNOWN = object()
+# a method name that says the method talks to the other ranks
+_COMMUNICATING = re.compile(r"sync|reduce|gather|barrier|broadcast|between_processes")
 
 
 def _full_state_dict_models(stmt) -> list:

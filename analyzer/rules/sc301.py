@@ -23,7 +23,10 @@ RANK_DECORATOR = re.compile(r"^[ \t]*@[\w.]*\b(?:" + "|".join(RANK_DECORATORS) +
 COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric|strategy)\.(barrier|monitored_barrier|all_reduce|"
                    r"all_gather\w*|broadcast\w*|reduce|gather|gather_object|gather_for_metrics|scatter\w*|"
                    r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
-COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\bself\.all_gather\(")     # (and a LightningModule's own gather)
+# (and a LightningModule's own gather, and a project object's method that says it communicates:
+# ``metric_logger.synchronize_between_processes()``, ``top1.all_reduce()``)
+COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\bself\.all_gather\(|\.(?:synchronize_between_processes|all_reduce|all_gather)\(")
+_METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce(", ".all_gather(")
 
 
 # what may follow one of CALL_PREFIXES in a collective call: COLLECTIVE_TEXT without its prefix
@@ -40,7 +43,7 @@ def _has_collective(text: str) -> bool:
             if not (before.isalnum() or before == "_") and _COLLECTIVE_NAME.match(text, start + len(prefix)):
                 return True
             start = text.find(prefix, start + 1)
-    return "self.all_gather(" in text       # a LightningModule's own gather
+    return any(w in text for w in _METHOD_COLLECTIVES)
 
 
 DEFINED = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
@@ -56,6 +59,12 @@ def _rank_if_lines(text: str):
         stripped = code.lstrip()
         if stripped.startswith(("if ", "if(", "elif ", "elif(")) and code.endswith(":") and RANK_TEST.search(code):
             yield line_end, len(line) - len(line.lstrip())
+        elif code.endswith(":") and RANK_TEST.search(code):
+            # the last line of a test written over several lines (``if not distributed or (distributed
+            # \n and args.rank % ngpus_per_node == 0):``): the ``if`` a few lines up
+            indent = _wrapped_if(text, line_end - len(line))
+            if indent is not None:
+                yield line_end, indent
         else:
             held = _HOLDS_TEST.match(code)
             if held and RANK_TEST.search(held.group(2)):
@@ -66,6 +75,25 @@ def _rank_if_lines(text: str):
         test = re.compile(r"^([ \t]*)(?:el)?if[ \t(]+(?:not[ \t]+)?" + re.escape(name) + r"\b[^\n]*:[ \t]*(?:#[^\n]*)?$", re.M)
         for match in test.finditer(text):
             yield match.end(), len(match.group(1))
+
+
+def _wrapped_if(text: str, start: int, most: int = 4):
+    """The indentation of the ``if``/``elif`` line a few lines above the line at ``start`` that
+    continues its test (an open bracket on the way), or None."""
+    end = start - 1
+    for _ in range(most):
+        if end <= 0:
+            return None
+        begin = text.rfind("\n", 0, end) + 1
+        line = text[begin:end].split("#", 1)[0].rstrip()
+        stripped = line.lstrip()
+        if stripped.startswith(("if ", "if(", "elif ", "elif(")):
+            return len(line) - len(stripped) if line.count("(") + line.count("[") > line.count(")") + \
+                line.count("]") or line.endswith("\\") else None
+        if not stripped or stripped.endswith(":"):
+            return None
+        end = begin - 1
+    return None
 
 
 # ``name = <expression>`` on one line (not ``==``): a test stored under a name of the code's choosing
