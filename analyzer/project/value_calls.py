@@ -14,7 +14,8 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Function, GlobalRef, qualified_name
+from synccheck.analyzer.project.definitions import Function, GlobalRef, called_name, qualified_name
+from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _parameter_sources, _sharded,
                                                       _single_device, _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
@@ -160,7 +161,7 @@ class CallValues:
                     self.sites[site] = (call.args[0] if call.args else None, scope)
                     return frozenset((Optim(site),))
                 if base in vocab.ACCELERATOR:     # ``class MyAccelerator(accelerate.Accelerator)``
-                    return frozenset((Framework("accelerate", site, _accumulates(call)),))
+                    return frozenset((Framework("accelerate", site, self._subclass_accumulates(callee.cls, call)),))
                 if base in vocab.FABRIC:
                     return frozenset((Framework("fabric", site, "no", _single_device(call), _sharded(call)),))
                 if vocab.tail(base) in vocab.SAMPLER_TAILS and base != qual:
@@ -222,6 +223,21 @@ class CallValues:
             default = parameter_default(scope.node, node.id)
             bound = [default] if default is not None else []
         return bool(bound) and all(isinstance(v, ast.Constant) and _truthy(v) for v in bound)
+
+    def _subclass_accumulates(self, klass, call: ast.Call) -> str:
+        """_accumulates of a project subclass of Accelerator: what its constructor hands to
+        ``super().__init__(gradient_accumulation_steps=cfg.train.grad_accum, ...)``, else the call's."""
+        for k in self.project.mro(klass):
+            init = k.methods.get("__init__")
+            if init is None:
+                continue
+            for node in walk_no_defs(init.node):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                        node.func.attr == "__init__" and isinstance(node.func.value, ast.Call) and \
+                        called_name(node.func.value) == "super":
+                    return _accumulates(node)
+            return "unknown"        # its own constructor, which we do not follow further
+        return _accumulates(call)
 
     def _external_call(self, qual: str, call: ast.Call, scope, module, site) -> frozenset:
         kind = vocab.wrapper_kind(qual)
