@@ -104,6 +104,23 @@ def handed_a_token_count(node: ast.Call) -> bool:
     return False
 
 
+def handed_the_accumulation_count(node: ast.Call) -> bool:
+    """``batch.normalize(loss, n_accumulation=self.args.batch_multiplier)``: a call handed the number
+    of micro-steps (by keyword or by the name of what is passed), which may well divide by it."""
+    for kw in node.keywords:
+        if kw.arg and _ACCUMULATION_COUNT.search(kw.arg):
+            return True
+    for a in list(node.args) + [kw.value for kw in node.keywords]:
+        name = a.id if isinstance(a, ast.Name) else a.attr if isinstance(a, ast.Attribute) else ""
+        if name and _ACCUMULATION_COUNT.search(name):
+            return True
+    return False
+
+
+_ACCUMULATION_COUNT = re.compile(r"accum|grad_acc|update_freq|batch_multiplier|iters_to_acc|micro_batches|"
+                                 r"num_micro|n_micro", re.I)
+
+
 # -- calls of the module inside a wrapper, and of a model's methods ----------------------------------
 
 def _inner_wrappers(values) -> frozenset:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD, FABRIC_REDIRECTED,  # noqa: F401
                                                    _inner_wrappers, _submodule, clears_grads, forward_dispatch,
-                                                   handed_a_token_count, library_training_step, sets_sync_flag,
+                                                   handed_a_token_count, handed_the_accumulation_count, library_training_step, sets_sync_flag,
                                                    sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
@@ -82,6 +82,10 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         # ``self.loss_fn(pred, labels, global_valid_tokens)``, ``compute_loss(model, inputs,
         # num_items_in_batch=n)``: a loss normalised by the window's token count, counted before the
         # micro-steps (torchtitan, transformers' Trainer): whether 1/N is in it, we cannot tell
+        result = result._replace(scaled=None)
+    elif result.scaled is False and handed_the_accumulation_count(node):
+        # ``batch.normalize(loss, n_accumulation=accum)`` on an object we cannot follow: handed the
+        # count of micro-steps with the loss, it may divide by it (joeynmt)
         result = result._replace(scaled=None)
     return result
 
