@@ -148,6 +148,11 @@ class CallValues:
                 return frozenset((Ctx("helper", site, _text(module, call)),))
             return self.call_returns(callee.fn, callee.receiver if isinstance(callee, Bound) else None, site)
         if isinstance(callee, Cls):
+            passed = _forwarding_wrapper(callee.cls, call)
+            if passed is not None:
+                # ``DataParallelWrapper(DDP(model))`` whose forward and missing attributes are the
+                # wrapped module's (joeynmt): what runs and what ``.no_sync()`` names is that module
+                return self.expr(passed, scope)
             qual = qualified_name(callee.cls)
             ext = self.project.external_bases(callee.cls)
             # a project class deriving from a wrapper or an optimizer is one (its own code is read
@@ -405,3 +410,37 @@ def made_per_call(values: frozenset, made_at: set, caller_site) -> frozenset:
         return values
     return frozenset(Obj(caller_site + ("returned", v.site)) if isinstance(v, Obj) and v.site[:3] in made_at else v
                      for v in values)
+
+
+def _forwarding_wrapper(klass, call: ast.Call):
+    """The argument of ``Wrapper(module)`` a project class passes everything to: its constructor
+    stores a parameter as ``self.<attr>``, its ``forward`` only returns ``self.<attr>(...)``, and its
+    ``__getattr__`` reads ``self.<attr>``. None for any other class."""
+    init, forward, getattr_ = (klass.methods.get(n) for n in ("__init__", "forward", "__getattr__"))
+    if init is None or forward is None or getattr_ is None or len(init.params) < 2:
+        return None
+    stored = {}
+    for stmt in init.node.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.value, ast.Name) and \
+                stmt.value.id in init.params[1:]:
+            t = stmt.targets[0]
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == init.params[0]:
+                stored[t.attr] = stmt.value.id
+    body = [s for s in forward.node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return None
+    func = body[0].value.func
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and forward.params and
+            func.value.id == forward.params[0] and func.attr in stored):
+        return None
+    attr = func.attr
+    if not any(isinstance(n, ast.Attribute) and n.attr == attr for n in walk_no_defs(getattr_.node)):
+        return None
+    param = stored[attr]
+    for kw in call.keywords:
+        if kw.arg == param:
+            return kw.value
+    index = init.params.index(param) - 1
+    if index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:index + 1]):
+        return call.args[index]
+    return None
