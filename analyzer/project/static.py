@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
@@ -69,6 +69,7 @@ class UnseededSampler(NamedTuple):
     node: object
     name: str
     once: bool = False        # set_epoch is called on it, once, before the epoch loop
+    main_only: str = ""       # set_epoch is called on it only under this test of the main rank
 
 
 # a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``,
@@ -107,6 +108,8 @@ def samplers_without_set_epoch(program) -> list:
     if not made:
         return []
     seeded, unknown, once = set(), False, set()
+    main_only: dict = {}        # sampler -> the rank test its only set_epoch calls are under
+    checker = None
     for scope, call in values.calls("set_epoch"):
         if not isinstance(call.func, ast.Attribute):
             continue
@@ -116,6 +119,16 @@ def samplers_without_set_epoch(program) -> list:
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
             once |= {v for v in receiver if isinstance(v, Sampler)}
+            continue
+        if checker is None:
+            from synccheck.analyzer.project.rank_branches import _RankChecker
+            checker = _RankChecker(program)
+        test = _main_rank_test(checker, scope, call)
+        if test is not None:
+            # ``if is_main: pbar = tqdm(...); sampler.set_epoch(epoch)``: the other ranks never reseed
+            for v in receiver:
+                if isinstance(v, Sampler):
+                    main_only.setdefault(v, test)
             continue
         for v in receiver:
             if isinstance(v, Sampler):
@@ -139,8 +152,28 @@ def samplers_without_set_epoch(program) -> list:
         name = _assigned_name(module, call)
         if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}"):
             continue    # an evaluation pass gives the same metrics in any order
-        out.append(UnseededSampler(module, call, name, sampler in once))
+        out.append(UnseededSampler(module, call, name, sampler in once, main_only.get(sampler, "")))
     return out
+
+
+def _main_rank_test(checker, scope, call) -> Optional[str]:
+    """The test of the ``if`` around ``call`` (in its function) whose side it is on only the main rank
+    takes (``if is_main:``, the ``else`` of ``if rank != 0:``), as written; None otherwise."""
+    node = getattr(scope, "node", None)
+    if node is None:
+        return None
+    line = call.lineno
+    for n in ast.walk(node):
+        if not isinstance(n, ast.If) or not (n.lineno <= line <= (n.end_lineno or n.lineno)):
+            continue
+        in_body = any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in n.body)
+        in_else = any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in n.orelse)
+        if not (in_body or in_else):
+            continue
+        on_true, on_false = checker.sides(n.test, scope)
+        if (on_true if in_body else on_false) == "main":
+            return ast.unparse(n.test) if in_body else f"not ({ast.unparse(n.test)})"
+    return None
 
 
 def _seeded_by_set_epoch(klass) -> bool:

@@ -58,8 +58,13 @@ class SamplerWithoutSetEpoch(Rule):
             named = found.name != "the sampler"
             subject = f"`{found.name}` is a DistributedSampler but" if named else "this DistributedSampler is built but"
             never = "is called only once, before the epoch loop" if found.once else "is never called"
+            effect = "every epoch replays the same order on every rank"
+            if found.main_only:
+                never = f"is called only on the main rank (under `{found.main_only}`)"
+                effect = ("the other ranks replay the first epoch's order while the main rank moves on, so "
+                          "their shards no longer split the dataset between them")
             ctx.report(self, found.module, found.node,
-                       f"{subject} set_epoch() {never}: every epoch replays the same order on every rank",
+                       f"{subject} set_epoch() {never}: {effect}",
                        "call the sampler's `set_epoch(epoch)` at the start of each epoch (keep the sampler in a "
                        "variable)" if not named else f"call `{found.name}.set_epoch(epoch)` at the start of each epoch",
                        autofix=lambda found=found: plan_more.set_epoch(ctx.program, found))
