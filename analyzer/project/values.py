@@ -99,7 +99,13 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
         if isinstance(scope, Function) and name in self.info(scope).locals:
             return [(value, scope) for value, _ in self.info(scope).assigns.get(name, ())]
         module = self.module_of(scope)
-        return [(value, module) for value in module.globals.get(name, ())]
+        found = [(value, module) for value in module.globals.get(name, ())]
+        if not found and name in module.imports:
+            # ``from config import DDP_KWARGS``: the other module's top-level binding
+            sym = self.project.resolve(module, name)
+            if isinstance(sym, GlobalRef):
+                found = [(value, sym.module) for value in sym.module.globals.get(sym.name, ())]
+        return found
 
     def bound_once(self, node, scope):
         """The expression a name is bound to when it is bound once (bound_expressions), else None; any
