@@ -89,6 +89,7 @@ class Conditions:
         self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
         self._calls: dict = {}     # id(expression) -> (expression, whether it holds a call)
         self._stable_seen: set = set()   # (atom, id(function)) already asked whether it is written
+        self._windowed: set = set()      # atoms of ``i < n - 1`` already related to ``(i + 1) % n == 0``
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -231,6 +232,11 @@ class Conditions:
                             self.flow.stable_atoms.add(atom.index)
                 else:
                     atom = self.atoms.get((dump, versions), text, bound=_bound(node, versions))
+                    window = _below_last(node)
+                    if atom is not None and window is not None and atom.index not in self._windowed:
+                        # ``i < accum_steps - 1`` beside ``(i + 1) % accum_steps == 0``: never both
+                        self._windowed.add(atom.index)
+                        self.atoms.window_bound(atom, (self._canonical(window[0], st), self._canonical(window[1], st)))
             if atom is None:
                 return BOTH
             if not polarity and atom.negated is None:
@@ -586,4 +592,15 @@ def _name_in_dump(dump: str) -> Optional[str]:
         return dump[len("Name(id='"):].split("'", 1)[0]
     if dump.startswith("Attribute("):
         return None
+    return None
+
+
+def _below_last(node):
+    """(counter, modulus) of ``i < n - 1`` (a Name counter), else None."""
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Lt) and \
+            isinstance(node.left, ast.Name):
+        right = node.comparators[0]
+        if isinstance(right, ast.BinOp) and isinstance(right.op, ast.Sub) and isinstance(right.right, ast.Constant) \
+                and right.right.value == 1 and isinstance(right.left, (ast.Name, ast.Attribute)):
+            return node.left, right.left
     return None

@@ -99,6 +99,15 @@ class Atoms:
         self.universe = TRUE
         self.overflowed = False
         self.bounds: dict = {}       # what is compared -> [(atom, operator, number)] (get's ``bound``)
+        self.windows: dict = {}      # (counter, modulus) -> the atoms of ``i < n - 1`` (window_bound)
+
+    def window_bound(self, atom: Atom, counted: tuple) -> None:
+        """``atom`` is ``i < n - 1`` on (counter, modulus) ``counted``: with ``i`` counting from 0 it
+        never holds together with ``(i + 1) % n == 0`` (``i % n == n - 1``), whichever is made first."""
+        self.windows.setdefault(counted, []).append(atom)
+        for other in self.atoms:
+            if other.mod is not None and other.mod[:2] == counted and _last_of_window(other.mod):
+                self.universe &= ~(MASKS[atom.index] & MASKS[other.index]) & TRUE
 
     def get(self, key, text: str, mod=None, bound=None) -> Optional[Atom]:
         """The atom of ``key``, made on first use. ``mod``: (counter, modulus, residue) of a modular
@@ -114,6 +123,9 @@ class Atoms:
         atom = Atom(len(self.atoms), key, text, mod)
         self.atoms.append(atom)
         self.by_key[key] = atom
+        if mod is not None and _last_of_window(mod):
+            for other in self.windows.get(mod[:2], ()):
+                self.universe &= ~(MASKS[atom.index] & MASKS[other.index]) & TRUE
         if mod is not None:
             for other in self.atoms[:-1]:
                 if other.mod is not None and other.mod[:2] == mod[:2] and not _compatible(other.mod, mod):
@@ -196,6 +208,14 @@ def mod_parts(node: ast.AST):
     else:
         return None
     return base, left.right, residue - offset
+
+
+def _last_of_window(mod: tuple) -> bool:
+    """Is the modular test (counter, modulus, residue) ``i % n == n - 1`` (``(i + 1) % n == 0``)?"""
+    counter, modulus, residue = mod
+    if residue == -1:
+        return True
+    return modulus[0] == "const" and residue == modulus[1] - 1 if isinstance(modulus, tuple) and modulus else False
 
 
 def last_form(node: ast.AST, target: str, bound: str) -> Optional[bool]:
