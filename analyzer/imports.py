@@ -319,7 +319,8 @@ def method_callers_beside(path: str, names: tuple, linted: set, limit: int = MAX
     on a task a registry made: LAVIS's runner, which does not import the task's module): context for
     a lint of single files, at most MAX_FAR_IMPORTERS of them, nearest folders first."""
     here = os.path.dirname(os.path.abspath(path))
-    needles = [b"." + n.encode() + b"(" for n in names]
+    # (not ``self.training_step(...)`` in a subclass: that is the class's own call, through its imports)
+    needles = [re.compile(rb"(?<!self)(?<!super\(\))\." + re.escape(n.encode()) + rb"\(") for n in names]
     near = list(dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]))
     folders = list(near)
     top = _project_top(here)
@@ -353,7 +354,7 @@ def _files_saying(directories, needles: list, path: str, linted: set, limit: int
                     data = fh.read(1_000_000)
             except OSError:
                 continue
-            if any(n in data for n in needles):
+            if any(n.search(data) for n in needles):
                 out.append(candidate)
     return out
 

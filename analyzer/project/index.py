@@ -175,8 +175,8 @@ class Project(Resolution):
         if key in self._searched or not self.catalog:
             return []
         self._searched.add(key)
-        needle = "." + method + "("
-        found = [a for a in list(self.catalog) if (self.catalog_text(a) or "").find(needle) != -1]
+        needle = re.compile(r"(?<!self)(?<!super\(\))\." + re.escape(method) + r"\(")
+        found = [a for a in list(self.catalog) if needle.search(self.catalog_text(a) or "")]
         if not found or len(found) > limit:
             return []
         return [m for m in map(self._from_catalog, found) if m is not None]
