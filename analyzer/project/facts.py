@@ -132,11 +132,7 @@ class Population:
         # not gated, and a zero_grad after it wipes nothing of a window.)
         hand = flow.program.managed_models()
         all_records = records
-        # (a shared backward's micro-step of the model whose forward ran first, superseded by the next
-        # iteration's backward with no step between, is accumulated like any other: a GAN generator's
-        # loss through D, G stepped every N; the D it went through is only on the way)
-        records = [r for r in records if r[1] == "stepped" or (r[3] and (not r[0].shared or
-                                                                         r[1] == "superseded" and r[0].lead))
+        records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
                    or (r[1] == "wiped" and _gated_window(r[0], hand) and not r[0].shared)]
         # a zero_grad outside the micro-steps' loop (at the top of each epoch) drops an unfinished
         # window at the epoch's end; it does not wipe micro-steps

@@ -217,7 +217,7 @@ class Loops:
             # (a micro-step of this loop's turn; one made before the loop was entered, like a backward
             # before ``for g in optimizer.param_groups:``, does not go round with it)
             if any(t.frozen is None and info.id in t.loops for t in tokens):
-                tokens = tuple(_new(Token, t[:8] + (guard,) + t[9:]) if t.frozen is None and info.id in t.loops else t
+                tokens = tuple(_new(Token, t[:8] + (guard,)) if t.frozen is None and info.id in t.loops else t
                                for t in tokens)
             g = guard
             for k in forget:

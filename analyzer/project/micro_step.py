@@ -112,8 +112,6 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
         # several models from one forward are alternatives (a helper called with a different DDP
         # model by each script), not one loss through several models (a GAN's generator loss)
         shared = len({f.site for f in forwards if f.model in mine}) > 1 and not any(mine <= o for o in together)
-        # (the first of them to run its forward: the generator whose output the discriminator takes)
-        lead = next((f.model for f in forwards if f.model in mine), None) if shared else None
         for model in sorted(mine, key=repr):
             old = next((t for t in tokens if t.model == model), None)
             if old is not None:
@@ -147,7 +145,7 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                                             guard)
             outside = model.kind in vocab.FORWARD_DECIDES and not model.sharded and fwd is not None and \
                 fwd.decided == "off" and now == "on"
-            tokens.append(Token(model, site, synced, by, outside, misses, loops, shared, lead=not shared or model == lead))
+            tokens.append(Token(model, site, synced, by, outside, misses, loops, shared))
         yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
 
     _each(st, transfer)

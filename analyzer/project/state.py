@@ -56,7 +56,6 @@ class Token(NamedTuple):
     loops: tuple = ()         # the loops around the backward (the innermost is its micro-step loop)
     shared: bool = False      # the backward ran through several models (a GAN's generator loss)
     frozen: Optional[int] = None   # the guard of the micro-step it came from, once a loop went round
-    lead: bool = True         # of a shared backward: the model whose forward ran first (G, not the D it feeds)
 
 
 class Prop(NamedTuple):
