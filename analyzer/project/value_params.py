@@ -111,7 +111,9 @@ class ParameterValues:
             spread = self._spread_keyword(call, name, scope)
             if spread is not None:
                 out |= spread
-            elif default is None:
+            elif default is None or any(kw.arg is None for kw in call.keywords) or \
+                    any(isinstance(a, ast.Starred) for a in call.args):
+                # (``run_train(**vars(args))``: whatever the arguments hold, not only the default)
                 out.add(UNKNOWN)
         if not callers:
             # ``def run(state: TrainState, ...)`` called out of view: an instance of the record class it
