@@ -153,6 +153,8 @@ def _find_package_roots(directory: str) -> list:
     roots = []
     d = directory
     while os.path.isfile(os.path.join(d, "__init__.py")):
+        if not os.path.basename(d).isidentifier():
+            break           # (``owner+repo@commit/__init__.py``: no import can name it, it is the top)
         parent = os.path.dirname(d)
         if parent == d:
             break
