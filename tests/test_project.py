@@ -1257,3 +1257,18 @@ def test_single_file_lint_reads_the_runner_that_calls_its_training_method(tmp_pa
     write_project(tmp_path, files)
     got = found(tmp_path, [tmp_path / "tasks/base_task.py"])
     assert got == expected(tmp_path, files), got
+
+
+def test_a_checkout_folder_no_import_can_name_is_the_project_top(tmp_path):
+    # a repository whose top holds an __init__.py, checked out as ``owner+repo@commit`` beside other
+    # checkouts: the package root stops there (no import spells that name), so the files of the other
+    # checkouts are not this project's
+    from synccheck.analyzer.imports import _package_roots, _project_top
+    repo = tmp_path / "checkouts" / "owner+repo@abc123"
+    (repo / "train").mkdir(parents=True)
+    (repo / "__init__.py").write_text("")
+    (repo / "train" / "__init__.py").write_text("")
+    (tmp_path / "checkouts" / "other+thing@def456").mkdir()
+    here = str(repo / "train")
+    assert _package_roots(here)[0] == str(repo)
+    assert _project_top(here) == str(repo)
