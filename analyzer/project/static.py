@@ -38,12 +38,47 @@ def accumulate_without_steps(program) -> list:
         frameworks = [v for v in receiver if isinstance(v, Framework) and v.kind == "accelerate"]
         # (one of several: ``if args.with_tracking: Accelerator(gradient_accumulation_steps=n, ...)`` /
         # ``else: Accelerator()`` leaves the default run without accumulation)
-        if not frameworks or all(v.accumulates != "no" or v in configured for v in frameworks):
+        if not frameworks or all(v.accumulates != "no" or v in configured or _built_where_one(program, v)
+                                 for v in frameworks):
             continue
         if any(not isinstance(v, Framework) for v in receiver):
             continue
         out.append(UnconfiguredAccumulate(module, call, _text(module, call.func.value)))
     return out
+
+
+def _built_where_one(program, framework) -> bool:
+    """Was this Accelerator (built without steps) built where the count of micro-steps is 1: on the
+    ``else`` side of ``if cfg.grad_accum_steps > 1:`` (or after that side returned), or in a script
+    that sets ``ACCELERATE_GRADIENT_ACCUMULATION_STEPS``, which ``Accelerator()`` reads?"""
+    path, line = framework.site[0], framework.site[1]
+    module = program.project.module_at(path)
+    if module is None:
+        return False
+    if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in module.text:
+        return True
+    from synccheck.analyzer.project.branches import _count_is_one
+
+    def inside(stmts) -> bool:
+        return any(s.lineno <= line <= (s.end_lineno or s.lineno) for s in stmts)
+
+    def search(stmts) -> bool:
+        for i, stmt in enumerate(stmts):
+            if isinstance(stmt, ast.If):
+                one, in_body = _count_is_one(stmt.test)
+                if one is not None:
+                    if inside(stmt.body) and in_body or inside(stmt.orelse) and in_body is False:
+                        return True
+                    if not in_body and stmt.body and isinstance(stmt.body[-1], (ast.Return, ast.Raise)) and \
+                            not stmt.orelse and inside(stmts[i + 1:]):
+                        return True     # ``if n > 1: return Accelerator(gradient_accumulation_steps=n)``
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(stmt, field, None)
+                if isinstance(block, list) and block and isinstance(block[0], ast.stmt) and inside(block) and \
+                        search(block):
+                    return True
+        return False
+    return search(module.tree.body)
 
 
 def _configured_frameworks(program) -> set:
