@@ -11,7 +11,7 @@ import ast
 import re
 from typing import NamedTuple, Optional
 
-from synccheck.analyzer.project.definitions import called_name
+from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
 # SC104's facts live in unwrapped.py; their names stay importable from here
@@ -107,6 +107,10 @@ class UnseededSampler(NamedTuple):
     main_only: str = ""       # set_epoch is called on it only under this test of the main rank
 
 
+# a function that evaluates (``run_test``, ``evaluate``, ``validate``): a sampler it builds is read once
+# per call, in whatever order
+_EVALUATION_FUNCTION = re.compile(r"(?i)^_*(?:run_|do_)?(?:test|eval|evaluate|evaluation|validate|validation|val|infer|"
+                                  r"inference|predict)(?:_|$)")
 # a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``,
 # ``valsampler``, ``DistributedSampler(valset)``
 _EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|valid|validation|eval|evaluation|test|dev)"
@@ -185,7 +189,9 @@ def samplers_without_set_epoch(program) -> list:
         if not epoch_loop:
             continue
         name = _assigned_name(module, call)
-        if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}"):
+        where = scope.node.name if isinstance(scope, Function) else ""
+        if _EVALUATION.search(f"{name} {_text(module, call.args[0]) if call.args else ''}") or \
+                _EVALUATION_FUNCTION.search(where):
             continue    # an evaluation pass gives the same metrics in any order
         out.append(UnseededSampler(module, call, name, sampler in once, main_only.get(sampler, "")))
     return out
