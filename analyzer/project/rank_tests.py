@@ -261,7 +261,8 @@ def _no_rank(test) -> bool:
         value = ast.literal_eval(right)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False
-    return value == -1 and not isinstance(value, bool) and isinstance(
+    # (``rank == "cpu"``: a run on the CPU alone, as particleflow spells its single process)
+    return (value == -1 and not isinstance(value, bool) or value in ("cpu", "mps")) and isinstance(
         test.ops[0], (ast.Eq, ast.In, ast.Is, ast.NotEq, ast.NotIn, ast.IsNot))
 
 
@@ -275,6 +276,8 @@ def _zeroish(node) -> Optional[bool]:
     """True for 0, [0], [-1, 0] (the main rank, or no distribution); None for anything else."""
     if isinstance(node, ast.Constant) and node.value == 0 and not isinstance(node.value, bool):
         return True
+    if isinstance(node, ast.Constant) and node.value == "0":
+        return True         # ``os.environ.get("RANK", "0") == "0"``: the environment's string
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         vals = []
         for e in node.elts:
