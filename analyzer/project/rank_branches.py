@@ -290,6 +290,19 @@ class _RankChecker(RankTests):
         for name in _functions_tested(fn):
             known.setdefault(name, True)
         self._runs_in(fn.node.body, fn, known, out)
+        for decorator in fn.node.decorator_list:
+            # ``@leader_only def log(...)``: the project decorator's wrapper runs around every call,
+            # with whatever collectives it holds (oumi's barrier after the main rank's work)
+            target = decorator.func if isinstance(decorator, ast.Call) else decorator
+            sym = self.program.project.resolve_expr(fn.module, target) \
+                if isinstance(target, (ast.Name, ast.Attribute)) else None
+            if isinstance(sym, Function) and sym is not fn:
+                # (a decorator factory, ``@local_leader_only()``: the wrapper is nested twice)
+                todo = list(sym.nested.values())
+                while todo:
+                    inner = todo.pop()
+                    out |= self.runs(inner)
+                    todo.extend(inner.nested.values())
         self._runs[key] = out
         return out
 
@@ -492,6 +505,10 @@ def _sub_group(group, scope) -> bool:
     if isinstance(group, ast.Constant) or (isinstance(group, ast.Attribute) and group.attr == "WORLD"):
         return False
     made = []
+    if isinstance(group, ast.Name) and isinstance(scope, Function) and group.id in scope.params:
+        default = parameter_default(scope.node, group.id)
+        if isinstance(default, ast.Constant) and default.value is None:
+            return False    # ``def barrier(group=None)``: the whole world unless a caller says otherwise
     if isinstance(group, ast.Name) and isinstance(scope, Function):
         for node in walk_no_defs(scope.node):
             if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == group.id for t in node.targets):
