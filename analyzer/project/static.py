@@ -109,8 +109,9 @@ class UnseededSampler(NamedTuple):
 
 # a function that evaluates (``run_test``, ``evaluate``, ``validate``): a sampler it builds is read once
 # per call, in whatever order
-_EVALUATION_FUNCTION = re.compile(r"(?i)^_*(?:run_|do_)?(?:test|eval|evaluate|evaluation|validate|validation|val|infer|"
-                                  r"inference|predict)(?:_|$)")
+# (not a pytest function, ``test_distributed_sampler_padding``: a test of the training code)
+_EVALUATION_FUNCTION = re.compile(r"(?i)^_*(?:(?:run_|do_)(?:test|eval|evaluate|validate|val|infer|inference|predict)|"
+                                  r"eval|evaluate|evaluation|validate|validation|val|infer|inference|predict|test$)(?:_|$)")
 # a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``,
 # ``valsampler``, ``DistributedSampler(valset)``
 _EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|valid|validation|eval|evaluation|test|dev)"
