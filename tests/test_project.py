@@ -1272,3 +1272,19 @@ def test_a_checkout_folder_no_import_can_name_is_the_project_top(tmp_path):
     here = str(repo / "train")
     assert _package_roots(here)[0] == str(repo)
     assert _project_top(here) == str(repo)
+
+
+def test_findings_do_not_depend_on_where_the_project_is_checked_out(tmp_path):
+    # the analysis walks sets of functions and classes in their hash order: a hash of the whole path
+    # made the same repository give other findings in another folder (HALOs' SC101 came and went)
+    import ast as _ast
+    from synccheck.analyzer.project.index import Project
+    text = "class Trainer:\n    def train(self):\n        pass\n"
+    hashes = []
+    for folder in ("w_s7a", "zz_b"):
+        path = tmp_path / folder / "repo@abc" / "train" / "trainers.py"
+        project = Project(roots=[str(path.parent)])
+        module = project.add(str(path), text, _ast.parse(text), linted=True)
+        hashes.append((hash(module), sorted(hash(f) for f in module.functions.values()),
+                       sorted(hash(k) for k in module.classes.values())))
+    assert hashes[0] == hashes[1]

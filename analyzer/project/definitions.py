@@ -20,8 +20,16 @@ FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 def _stable_hash(uid: str, node) -> int:
     """The same number in every run: sets of functions and classes (and of the values that hold them)
     are iterated in an order that does not depend on where the objects happen to sit in memory, so
-    a cycle among attribute values is entered in the same order every time."""
-    return zlib.crc32(f"{uid}:{node.lineno}:{node.col_offset}".encode())
+    a cycle among attribute values is entered in the same order every time. Nor on where the project
+    sits on the disk: only the last parts of the file's path count (a repository checked out in
+    another folder gave other findings, HALOs' SC101)."""
+    return zlib.crc32(f"{_path_tail(uid)}:{node.lineno}:{node.col_offset}".encode())
+
+
+def _path_tail(path: str) -> str:
+    """The last three parts of a path (``train/trainers.py:PPOTrainer.train`` of a uid)."""
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-3:])
 
 
 class Function:
@@ -128,7 +136,7 @@ class Module:
         self.top: dict = {}          # top-level name -> Function | Class
         self.globals: dict = {}      # top-level name -> [value expressions]
         self.derived: dict = {}      # what the analysis read off the tree and text once, kept with them
-        self._hash = zlib.crc32(path.encode())
+        self._hash = zlib.crc32(_path_tail(path).encode())
         self._index()
 
     def __hash__(self) -> int:
