@@ -331,34 +331,8 @@ def method_callers_beside(path: str, names: tuple, linted: set, limit: int = MAX
         far = list(islice(_project_folders(top, set(near)), MAX_FAR_FOLDERS))
         far.sort(key=lambda d: -_shared_parts(here_parts, d.split(os.sep)))
         folders += far
-    return _files_saying(folders, needles, path, linted, limit)[:MAX_FAR_IMPORTERS]
-
-
-def _files_saying(directories, needles: list, path: str, linted: set, limit: int) -> list:
-    out = []
-    scanned = 0
-    for directory in directories:
-        try:
-            names = sorted(os.listdir(directory))
-        except OSError:
-            continue
-        for name in names:
-            if not name.endswith(".py") or _TEST_FILE.match(name):
-                continue
-            candidate = os.path.join(directory, name)
-            if candidate in linted or candidate == os.path.abspath(path):
-                continue
-            scanned += 1
-            if scanned > limit:
-                return out
-            try:
-                with open(candidate, "rb") as fh:
-                    data = fh.read(1_000_000)
-            except OSError:
-                continue
-            if any(n.search(data) for n in needles):
-                out.append(candidate)
-    return out
+    return _files_saying(folders, lambda data: any(n.search(data) for n in needles), path, linted,
+                         limit)[:MAX_FAR_IMPORTERS]
 
 
 def _shared_parts(a: list, b: list) -> int:
@@ -372,6 +346,15 @@ def _shared_parts(a: list, b: list) -> int:
 
 def _importers_in(directories, stem: str, path: str, linted: set, limit: int) -> list:
     word = stem.encode()
+
+    def imports_it(data: bytes) -> bool:
+        return word in data and any(mod.rsplit(".", 1)[-1] == stem for level, mod in imported_names(data))
+    return _files_saying(directories, imports_it, path, linted, limit)
+
+
+def _files_saying(directories, says, path: str, linted: set, limit: int) -> list:
+    """The .py files of ``directories`` (not tests, not the linted ones, not ``path``) whose bytes
+    ``says(data)`` holds of, at most ``limit`` files read."""
     out = []
     scanned = 0
     for directory in directories:
@@ -393,13 +376,8 @@ def _importers_in(directories, stem: str, path: str, linted: set, limit: int) ->
                     data = fh.read(1_000_000)
             except OSError:
                 continue
-            if word not in data:
-                continue
-            for level, mod in imported_names(data):
-                last = mod.rsplit(".", 1)[-1]
-                if last == stem:
-                    out.append(candidate)
-                    break
+            if says(data):
+                out.append(candidate)
     return out
 
 
