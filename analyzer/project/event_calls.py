@@ -83,9 +83,11 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
         # num_items_in_batch=n)``: a loss normalised by the window's token count, counted before the
         # micro-steps (torchtitan, transformers' Trainer): whether 1/N is in it, we cannot tell
         result = result._replace(scaled=None)
-    elif result.scaled is False and handed_the_accumulation_count(node):
+    elif result.scaled is False and handed_the_accumulation_count(node) and \
+            not flow.program.syntactic_targets(node, fr.scope):
         # ``batch.normalize(loss, n_accumulation=accum)`` on an object we cannot follow: handed the
-        # count of micro-steps with the loss, it may divide by it (joeynmt)
+        # count of micro-steps with the loss, it may divide by it (joeynmt). A project function we
+        # follow says itself whether it does (``forward_loss(model, batch, accum)``)
         result = result._replace(scaled=None)
     return result
 
