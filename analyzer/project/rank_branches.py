@@ -310,6 +310,12 @@ class _RankChecker(RankTests):
         for stmt in stmts:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
+            if isinstance(stmt, ast.If) and not stmt.orelse and _fallback_test(stmt.test, fn):
+                # ``dir_name = None; for h in handlers: ... dir_name = ...; if dir_name is None:
+                # dir_name = get_local_time()``: a fallback for when the search found nothing, which
+                # says nothing of what every caller runs (RecBole's tensorboard writer)
+                self._runs_calls(stmt.test, fn, binding, out)
+                continue
             if isinstance(stmt, (ast.If, ast.While)) and binding:
                 value = _fold(stmt.test, binding)
                 value = value if value is _UNKNOWN else bool(value)
@@ -343,6 +349,23 @@ class _RankChecker(RankTests):
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
 _UNKNOWN = object()
+
+
+def _fallback_test(test, fn: Function) -> bool:
+    """``if name is None:`` where the function first binds ``name = None`` and then binds it again
+    inside a loop (a search that may find nothing)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is) and
+            isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant) and
+            test.comparators[0].value is None):
+        return False
+    name = test.left.id
+    first = next((s for s in fn.node.body if isinstance(s, ast.Assign) and
+                  any(isinstance(t, ast.Name) and t.id == name for t in s.targets)), None)
+    if first is None or not (isinstance(first.value, ast.Constant) and first.value.value is None):
+        return False
+    return any(isinstance(loop, (ast.For, ast.While)) and any(
+        isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+        for n in ast.walk(loop)) for loop in fn.node.body)
 # a method name that says the method talks to the other ranks
 _COMMUNICATING = re.compile(r"sync|reduce|gather|barrier|broadcast|between_processes")
 
