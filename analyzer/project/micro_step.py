@@ -10,6 +10,7 @@ off, and a collective that syncs gradients by hand marks them synchronized. Each
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -319,12 +320,31 @@ def collective(flow, node, what: str, st, fr) -> None:
     gradients synchronized, whatever DDP did for them."""
     if what not in vocab.GRAD_SYNC:
         return
+    if what in _TENSOR_REDUCTIONS and not _reduces_gradients(node, fr):
+        return      # ``dist.all_reduce(sample_size_t)``: a statistic the ranks share, not the gradients
 
     def transfer(prop, guard):
         tokens = tuple(t._replace(synced="manual") if t.synced in ("off", "unknown") else t for t in prop.tokens)
         yield prop._replace(tokens=tokens), guard
 
     _each(st, transfer)
+
+
+# collectives that sync gradients only when handed gradients (or parameters, or a flat buffer of them)
+_TENSOR_REDUCTIONS = frozenset(("all_reduce", "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor"))
+_GRADIENT_WORDS = re.compile(r"grad|param|flat|bucket|buf|weight|coalesced|tensors|\bp\b|\bg\b", re.I)
+
+
+def _reduces_gradients(node, fr) -> bool:
+    """Is what this reduction is handed gradients (``p.grad``, ``flat_grads``, ``buckets``), by its
+    words or by a loop over parameters or gradients around it? Not a loss, a sample size, a metric."""
+    if not isinstance(node, ast.Call) or not (node.args or node.keywords):
+        return True
+    first = node.args[0] if node.args else node.keywords[0].value
+    if _GRADIENT_WORDS.search(ast.unparse(first)):
+        return True
+    return any(isinstance(ctx.info.node, (ast.For, ast.AsyncFor)) and
+               _GRADIENT_WORDS.search(ast.unparse(ctx.info.node.iter)) for ctx in fr.loops)
 
 
 # The events stage's parts call one another: their names are imported last, once every part has
