@@ -235,12 +235,7 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     prov = _prov(*args, *kws.values())
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
-    # (an argument divided on its way that no model's forward made, beside one a model's did, is a
-    # target: ``F.mse_loss(pred, (xt - x0) / std)`` is as divided as ``pred``)
-    given = list(args) + list(kws.values())
-    if any(a.prov for a in given):
-        given = [a for a in given if a.prov or not a.scaled]
-    scaled = True if any(a.scaled for a in given) else False
+    scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
     if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws and (
             args[0].scaled is not None or not args[0].prov):
         # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided

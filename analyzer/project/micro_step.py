@@ -343,6 +343,8 @@ def _reduces_gradients(node, fr) -> bool:
     first = node.args[0] if node.args else node.keywords[0].value
     if _GRADIENT_WORDS.search(ast.unparse(first)):
         return True
+    if isinstance(first, ast.Name) and first.id in getattr(fr.scope, "params", ()):
+        return True     # a project's ``def all_reduce(tensor, group=None)``: whatever its callers hand it
     return any(isinstance(ctx.info.node, (ast.For, ast.AsyncFor)) and
                _GRADIENT_WORDS.search(ast.unparse(ctx.info.node.iter)) for ctx in fr.loops)
 
