@@ -61,7 +61,7 @@ class RankTests:
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot)) and \
                 _is_none(test.comparators[0]):
             # ``if writer is not None:`` with ``writer = SummaryWriter(...) if rank == 0 else None``
-            made = self._none_unless(test.left, scope, depth)
+            made = self._none_unless(test.left, scope, depth, callers=True)
             if made is not None:
                 on_true, on_false = self._sides(made[0], made[1], depth + 1)
                 return (on_true, on_false) if isinstance(test.ops[0], ast.IsNot) else (on_false, on_true)
@@ -162,13 +162,16 @@ class RankTests:
         found = table.get(attr, ())
         return found[0] if len(found) == 1 else None
 
-    def _none_unless(self, node, scope, depth: int):
+    def _none_unless(self, node, scope, depth: int, callers: bool = False):
         """(test, its scope) when ``node`` is None exactly where the test fails: a name bound to
-        ``X if test else None``, or a parameter every caller passes such a name."""
+        ``X if test else None``, or (``callers``: for ``x is not None``, not for every ``if flag:``,
+        which would ask for the callers of every function that tests a parameter) a parameter every
+        caller passes such a name."""
         if depth > 4 or not isinstance(node, ast.Name):
             return None
         value, where = self._bound(node, scope)
-        if value is None and isinstance(scope, Function) and node.id in scope.params and \
+        if value is None and callers and _MAIN_ONLY_OBJECT.search(node.id) and isinstance(scope, Function) and \
+                node.id in scope.params and \
                 not any(isinstance(n, ast.Name) and n.id == node.id and isinstance(n.ctx, ast.Store)
                         for n in ast.walk(scope.node)):
             from synccheck.analyzer.project.value_helpers import _argument
@@ -177,7 +180,7 @@ class RankTests:
             callers = self.values.callers(scope)
             for caller, call, shift in callers:
                 arg = _argument(call, scope, node.id, index, shift)
-                found = self._none_unless(arg, caller, depth + 1) if arg is not None else None
+                found = self._none_unless(arg, caller, depth + 1, callers) if arg is not None else None
                 if found is None or (made is not None and ast.dump(found[0]) != ast.dump(made[0])):
                     return None
                 made = found
@@ -196,6 +199,12 @@ class RankTests:
         for value in module.globals.get(name.id, ()):
             return value, module
         return None, None
+
+
+# what a script makes on the main rank only and hands around as None elsewhere (asking the callers of
+# every function that tests an optional parameter for None would cost more than it finds)
+_MAIN_ONLY_OBJECT = re.compile(r"writer|logger|board|tb|wandb|tracker|pbar|progress|summary|experiment|visual",
+                               re.I)
 
 
 def _is_none(node) -> bool:

@@ -264,8 +264,8 @@ class ParameterValues:
                 else:
                     if fn.cls is not None and self._duck_call(fn, scope, call):
                         out.append((scope, call, 1))
-        if not out and fn.cls is not None and _ENTRY_METHOD.search(fn.node.name) and \
-                self.project.load_calling(fn.node.name, MAX_DUCK_CALLERS):
+        if not out and fn.cls is not None and self.project.single_files and _ENTRY_METHOD.search(fn.node.name) \
+                and self.project.load_calling(fn.node.name, MAX_DUCK_CALLERS):
             # a training method called on an object made out of view (``self.task.train_epoch(...)``,
             # the task from a registry) in a file that does not import it: the files that call a
             # method of that name, when they are few
@@ -344,7 +344,8 @@ class ParameterValues:
             return False
         from synccheck.analyzer.project.duck import duck_method
         caller_cls = scope.cls if isinstance(scope, Function) else None
-        key = ("duck", fn.node.name, caller_cls.uid if caller_cls is not None else None, id(call))
+        key = ("duck", fn.node.name, caller_cls.uid if caller_cls is not None else None,
+               len(call.args), tuple(k.arg or "" for k in call.keywords))
         found = self._plain.get(key, False)
         if found is False:
             found = self._plain[key] = duck_method(self.project, fn.node.name, caller_cls, call)

@@ -196,7 +196,7 @@ def _rank_branch_calls_imported(text: str) -> bool:
         imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
     if not imported:
         return False
-    if any(d in imported for d in _DECORATOR_NAME.findall(text)):
+    if any(d in imported and _RANK_DECORATOR_WORDS.search(d) for d in _DECORATOR_NAME.findall(text)):
         return True     # ``@leader_only()`` from the project: its wrapper may meet the ranks in a barrier
     # and the objects made from them (``tracker = MeanTracker(device)``; ``tracker.synced_mean()``)
     made = {name for name, cls in _MADE_FROM.findall(text) if cls in imported}
@@ -206,6 +206,8 @@ def _rank_branch_calls_imported(text: str) -> bool:
 
 _MADE_FROM = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*(\w+)\(", re.M)
 _DECORATOR_NAME = re.compile(r"^[ \t]*@(\w+)", re.M)
+# a decorator whose name says it is about the ranks (torch's own files use dozens of other decorators)
+_RANK_DECORATOR_WORDS = re.compile(r"leader|main|rank|master|zero|primary|chief|barrier|sync", re.I)
 
 
 # ``comm.synchronize()``: a function of a project module imported whole (``from utils import comm``)
