@@ -262,7 +262,8 @@ class ParameterValues:
                         out.append((scope, call, shift))
                         break
                 else:
-                    if fn.cls is not None and self._duck_call(fn, scope, call):
+                    if fn.cls is not None and self.project.single_files and _ENTRY_METHOD.search(fn.node.name) and \
+                            self._duck_call(fn, scope, call):
                         out.append((scope, call, 1))
         if not out and fn.cls is not None and self.project.single_files and _ENTRY_METHOD.search(fn.node.name) \
                 and self.project.load_calling(fn.node.name, MAX_DUCK_CALLERS):
