@@ -97,22 +97,21 @@ _TOKEN_COUNT = re.compile(r"(?i)(?:^|_)(?:n_?tokens|num_\w*tokens|(?:global|tota
 def handed_a_token_count(node: ast.Call) -> bool:
     """``self.loss_fn(pred, labels, global_valid_tokens)``, ``compute_loss(model, inputs,
     num_items_in_batch=n)``: a loss call handed the window's token count."""
-    for a in list(node.args) + [kw.value for kw in node.keywords]:
-        name = a.id if isinstance(a, ast.Name) else a.attr if isinstance(a, ast.Attribute) else ""
-        if name and _TOKEN_COUNT.search(name):
-            return True
-    return False
+    return _hands_a_name(node, _TOKEN_COUNT)
 
 
 def handed_the_accumulation_count(node: ast.Call) -> bool:
     """``batch.normalize(loss, n_accumulation=self.args.batch_multiplier)``: a call handed the number
     of micro-steps (by keyword or by the name of what is passed), which may well divide by it."""
-    for kw in node.keywords:
-        if kw.arg and _ACCUMULATION_COUNT.search(kw.arg):
-            return True
+    return any(kw.arg and _ACCUMULATION_COUNT.search(kw.arg) for kw in node.keywords) or \
+        _hands_a_name(node, _ACCUMULATION_COUNT)
+
+
+def _hands_a_name(node: ast.Call, pattern) -> bool:
+    """Is a name or attribute the call is handed (by position or keyword) one ``pattern`` finds?"""
     for a in list(node.args) + [kw.value for kw in node.keywords]:
         name = a.id if isinstance(a, ast.Name) else a.attr if isinstance(a, ast.Attribute) else ""
-        if name and _ACCUMULATION_COUNT.search(name):
+        if name and pattern.search(name):
             return True
     return False
 

@@ -89,7 +89,6 @@ class Conditions:
         self._read: dict = {}      # id(test) -> (test, module, text, mod form, names, dump, volatile)
         self._calls: dict = {}     # id(expression) -> (expression, whether it holds a call)
         self._stable_seen: set = set()   # (atom, id(function)) already asked whether it is written
-        self._windowed: set = set()      # atoms of ``i < n - 1`` already related to ``(i + 1) % n == 0``
 
     def cond(self, node, st, fr, relevant: bool = True) -> tuple:
         """(may be true, may be false) guards of a test."""
@@ -233,9 +232,8 @@ class Conditions:
                 else:
                     atom = self.atoms.get((dump, versions), text, bound=_bound(node, versions))
                     window = _below_last(node)
-                    if atom is not None and window is not None and atom.index not in self._windowed:
+                    if atom is not None and window is not None:
                         # ``i < accum_steps - 1`` beside ``(i + 1) % accum_steps == 0``: never both
-                        self._windowed.add(atom.index)
                         self.atoms.window_bound(atom, (self._canonical(window[0], st), self._canonical(window[1], st)))
             if atom is None:
                 return BOTH
@@ -423,18 +421,15 @@ class Conditions:
         self.flow.note_atom(atom, (), False, (name,))     # (the same on every turn of a loop)
         on, off = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         alts = []
+        true = false = FALSE
         for guard, yes, no in split:
             if yes and guard & on:
                 alts.append((guard & on, yes))
+                true |= guard & on
             if no and guard & off:
                 alts.append((guard & off, no))
+                false |= guard & off
         st.env[name] = known._replace(alts=tuple(alts))
-        true = false = FALSE
-        for guard, values in alts:
-            if guard & on:
-                true |= guard
-            else:
-                false |= guard
         return true, false
 
     def _record_field(self, attribute: ast.Attribute, fr) -> bool:

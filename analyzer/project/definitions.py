@@ -249,6 +249,12 @@ def enclosing_function(module, node) -> Optional["Function"]:
     return best
 
 
+def is_super_call(node, method: str) -> bool:
+    """Is ``node`` the call ``super().<method>(...)``?"""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method and \
+        isinstance(node.func.value, ast.Call) and called_name(node.func.value) == "super"
+
+
 def called_name(node) -> str:
     """The last name of a name or attribute, or of a call's callee: ``torch.no_grad()`` -> ``no_grad``,
     ``@dataclasses.dataclass`` -> ``dataclass``; "" for anything else."""

@@ -14,8 +14,8 @@ from typing import Optional
 
 from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD, FABRIC_REDIRECTED,  # noqa: F401
                                                    _inner_wrappers, _submodule, clears_grads, forward_dispatch,
-                                                   handed_a_token_count, handed_the_accumulation_count, library_training_step, sets_sync_flag,
-                                                   sum_criterion, sum_reduced)
+                                                   handed_a_token_count, handed_the_accumulation_count,
+                                                   library_training_step, sets_sync_flag, sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal

@@ -61,14 +61,14 @@ class SyncSetter(NamedTuple):
 
 
 NONE_VAL = EnvVal(((TRUE, frozenset((Const(None),))),))
+_NONE = Const(None)
+_new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
 
 
 def is_one(value: EnvVal) -> bool:
     """Is the value the number 1 on every path (a divisor that divides by nothing)?"""
     vals = value.values
     return bool(vals) and all(isinstance(v, Const) and type(v.value) in (int, float) and v.value == 1 for v in vals)
-_NONE = Const(None)
-_new = tuple.__new__        # a named tuple made from its fields, as its _make and _replace make it
 
 
 def _versioned(value: EnvVal, version) -> EnvVal:

@@ -104,7 +104,10 @@ class Atoms:
     def window_bound(self, atom: Atom, counted: tuple) -> None:
         """``atom`` is ``i < n - 1`` on (counter, modulus) ``counted``: with ``i`` counting from 0 it
         never holds together with ``(i + 1) % n == 0`` (``i % n == n - 1``), whichever is made first."""
-        self.windows.setdefault(counted, []).append(atom)
+        known = self.windows.setdefault(counted, [])
+        if atom in known:
+            return
+        known.append(atom)
         for other in self.atoms:
             if other.mod is not None and other.mod[:2] == counted and _last_of_window(other.mod):
                 self.universe &= ~(MASKS[atom.index] & MASKS[other.index]) & TRUE
@@ -211,11 +214,9 @@ def mod_parts(node: ast.AST):
 
 
 def _last_of_window(mod: tuple) -> bool:
-    """Is the modular test (counter, modulus, residue) ``i % n == n - 1`` (``(i + 1) % n == 0``)?"""
-    counter, modulus, residue = mod
-    if residue == -1:
-        return True
-    return modulus[0] == "const" and residue == modulus[1] - 1 if isinstance(modulus, tuple) and modulus else False
+    """Is the modular test (counter, modulus, residue) ``(i + 1) % n == 0`` on a modulus that is not a
+    number (a number's residue is kept modulo it: those are never ``i < n - 1``'s, see _below_last)?"""
+    return mod[2] == -1
 
 
 def last_form(node: ast.AST, target: str, bound: str) -> Optional[bool]:

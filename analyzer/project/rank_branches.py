@@ -366,6 +366,8 @@ def _fallback_test(test, fn: Function) -> bool:
     return any(isinstance(loop, (ast.For, ast.While)) and any(
         isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
         for n in ast.walk(loop)) for loop in fn.node.body)
+
+
 # a method name that says the method talks to the other ranks
 _COMMUNICATING = re.compile(r"sync|reduce|gather|barrier|broadcast|between_processes")
 

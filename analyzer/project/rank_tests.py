@@ -177,8 +177,7 @@ class RankTests:
             from synccheck.analyzer.project.value_helpers import _argument
             index = scope.params.index(node.id)
             made = None
-            callers = self.values.callers(scope)
-            for caller, call, shift in callers:
+            for caller, call, shift in self.values.callers(scope):
                 arg = _argument(call, scope, node.id, index, shift)
                 found = self._none_unless(arg, caller, depth + 1, callers) if arg is not None else None
                 if found is None or (made is not None and ast.dump(found[0]) != ast.dump(made[0])):

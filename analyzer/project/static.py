@@ -11,7 +11,7 @@ import ast
 import re
 from typing import NamedTuple, Optional
 
-from synccheck.analyzer.project.definitions import Function, called_name
+from synccheck.analyzer.project.definitions import Function, called_name, is_super_call
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
 # SC104's facts live in unwrapped.py; their names stay importable from here
@@ -233,10 +233,7 @@ def _seeded_by_set_epoch(klass) -> bool:
             if isinstance(node, ast.AugAssign) and _is_self_epoch(node.target) or (
                     method is iterate and isinstance(node, ast.Assign) and any(map(_is_self_epoch, node.targets))):
                 return False
-    return any(_is_self_epoch(node) or isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-               and node.func.attr == "__iter__" and isinstance(node.func.value, ast.Call)
-               and called_name(node.func.value) == "super"
-               for node in ast.walk(iterate.node))
+    return any(_is_self_epoch(node) or is_super_call(node, "__iter__") for node in ast.walk(iterate.node))
 
 
 def _is_self_epoch(node) -> bool:

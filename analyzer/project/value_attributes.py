@@ -12,7 +12,7 @@ import ast
 import weakref
 from typing import Optional
 
-from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.definitions import Function, is_super_call
 from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores
 from synccheck.analyzer.project.value_helpers import _OUTSIDE_STORE, _class_attrs, _symbol_of, called_name
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Bag, Bound, Cls, CtxFactory, Ext, Framework,
@@ -174,11 +174,10 @@ def _stored_after_super_init(klass, attr: str) -> bool:
     for stmt in init.node.body:
         if not called:
             call = stmt.value if isinstance(stmt, ast.Expr) else None
-            called = isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and \
-                call.func.attr == "__init__" and (isinstance(call.func.value, ast.Call) and
-                                                  called_name(call.func.value) == "super" or
-                                                  bool(call.args) and isinstance(call.args[0], ast.Name) and
-                                                  call.args[0].id == me)
+            # ``super().__init__(...)`` or ``Base.__init__(self, ...)``
+            called = is_super_call(call, "__init__") or isinstance(call, ast.Call) and \
+                isinstance(call.func, ast.Attribute) and call.func.attr == "__init__" and \
+                bool(call.args) and isinstance(call.args[0], ast.Name) and call.args[0].id == me
         elif isinstance(stmt, ast.Assign) and any(
                 isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name) and t.value.id == me
                 for t in stmt.targets):

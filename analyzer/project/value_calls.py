@@ -14,9 +14,9 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Function, GlobalRef, called_name, qualified_name
+from synccheck.analyzer.project.definitions import Function, GlobalRef, is_super_call, qualified_name
 from synccheck.analyzer.project.traversal import walk_no_defs
-from synccheck.analyzer.project.value_helpers import (_accumulates, _first_arg, _kw, _parameter_sources, _sharded,
+from synccheck.analyzer.project.value_helpers import (_accumulates, _argument, _first_arg, _kw, _parameter_sources, _sharded,
                                                       _single_device, _strings, _text, _truthy, parameter_default)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
@@ -237,9 +237,7 @@ class CallValues:
             if init is None:
                 continue
             for node in walk_no_defs(init.node):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                        node.func.attr == "__init__" and isinstance(node.func.value, ast.Call) and \
-                        called_name(node.func.value) == "super":
+                if is_super_call(node, "__init__"):
                     return _accumulates(node)
             return "unknown"        # its own constructor, which we do not follow further
         return _accumulates(call)
@@ -437,10 +435,4 @@ def _forwarding_wrapper(klass, call: ast.Call):
     if not any(isinstance(n, ast.Attribute) and n.attr == attr for n in walk_no_defs(getattr_.node)):
         return None
     param = stored[attr]
-    for kw in call.keywords:
-        if kw.arg == param:
-            return kw.value
-    index = init.params.index(param) - 1
-    if index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:index + 1]):
-        return call.args[index]
-    return None
+    return _argument(call, init, param, init.params.index(param), 1)

@@ -13,7 +13,7 @@ import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Class, Function, qualified_name
+from synccheck.analyzer.project.definitions import Class, Function, is_super_call, qualified_name
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import _argument, _calls_named, call_lines, called_name, parameter_default
 from synccheck.analyzer.project.value_types import (EMPTY, MAX_CALLERS, MAX_PARAM_DEPTH, UNKNOWN, Bound, Cls, Func,
@@ -254,6 +254,8 @@ class ParameterValues:
             # (``model.train()`` inside ``Trainer.train(self, loader, model)``: nn.Module.train)
             candidates = [(scope, call) for scope, call in candidates if not (
                 scope is fn and _through_local(call, scope) and (not fn.params or call.func.value.id != fn.params[0]))]
+        # (a training method called on an object made out of view, in a lint of single files: see _duck_call)
+        ducks = fn.cls is not None and self.project.single_files and bool(_ENTRY_METHOD.search(fn.node.name))
         if len(candidates) <= MAX_CALLERS:
             for scope, call in candidates:
                 for v in self.expr(call.func, scope):
@@ -262,11 +264,9 @@ class ParameterValues:
                         out.append((scope, call, shift))
                         break
                 else:
-                    if fn.cls is not None and self.project.single_files and _ENTRY_METHOD.search(fn.node.name) and \
-                            self._duck_call(fn, scope, call):
+                    if ducks and self._duck_call(fn, scope, call):
                         out.append((scope, call, 1))
-        if not out and fn.cls is not None and self.project.single_files and _ENTRY_METHOD.search(fn.node.name) \
-                and self.project.load_calling(fn.node.name, MAX_DUCK_CALLERS):
+        if not out and ducks and self.project.load_calling(fn.node.name, MAX_DUCK_CALLERS):
             # a training method called on an object made out of view (``self.task.train_epoch(...)``,
             # the task from a registry) in a file that does not import it: the files that call a
             # method of that name, when they are few
@@ -306,8 +306,7 @@ class ParameterValues:
             if init is None or init is fn or self.project.method_after(k, k, "__init__") is not fn:
                 continue
             for node in walk_no_defs(init.node):
-                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "__init__" \
-                        and isinstance(node.func.value, ast.Call) and called_name(node.func.value) == "super":
+                if is_super_call(node, "__init__"):
                     out.append((init, node, 1))
         return out[:MAX_CALLERS]
 

@@ -10,8 +10,8 @@ RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process
 RANK_TEST = re.compile(RANK_TEST_TEXT, re.I)     # (``os.environ.get("RANK", "0") == "0"``)
 # Substrings that between them cover every name RANK_TEST accepts ("master" for nanoGPT's `master_process`
 # as well as `is_master`): the text pre-check looks for these before any regex runs.
-RANK_WORDS = ("rank", "RANK", "main_process", "master", "global_zero", "process_zero", "is_main", "is_chief", "is_global_main",
-              "is_local_main")
+RANK_WORDS = ("rank", "RANK", "main_process", "master", "global_zero", "process_zero", "is_main", "is_chief",
+              "is_global_main", "is_local_main")
 CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "strategy.")
 
 
@@ -25,7 +25,7 @@ COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric|strategy)\.(b
                    r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
 # (and a LightningModule's own gather, and a project object's method that says it communicates:
 # ``metric_logger.synchronize_between_processes()``, ``top1.all_reduce()``)
-COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\bself\.all_gather\(|\.(?:synchronize_between_processes|all_reduce|all_gather)\(")
+COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\.(?:synchronize_between_processes|all_reduce|all_gather)\(")
 _METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce(", ".all_gather(")
 
 
