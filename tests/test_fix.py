@@ -62,6 +62,28 @@ def test_ddp_flat_loop_fix_uses_the_loops_own_gate():
     assert new.count("import contextlib") == 1 and not left
 
 
+def test_a_chosen_context_callable_gets_the_steps_condition():
+    # ``ctx = model.no_sync if step % gas else nullcontext`` then ``with ctx():``: the choice is fixed in
+    # place (callables stay callables), not wrapped in a second context
+    source = textwrap.dedent("""
+        import contextlib
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model)
+        for step, (x, y) in enumerate(loader):
+            ctx = model.no_sync if step % gas else contextlib.nullcontext
+            with ctx():
+                (loss_fn(model(x), y) / gas).backward()
+            if (step + 1) % gas == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+    """)
+    assert [f.code for f in check_source(source, "t.py")] == ["SC103"]
+    new, fixed, left = fix_text("t.py", source, list(ALL_RULES), ALL)
+    assert "    ctx = contextlib.nullcontext if (step + 1) % gas == 0 else model.no_sync\n" in new
+    assert new.count("with ") == 1 and fixed and not check_source(new, "t.py")
+
+
 def test_inner_micro_step_loop_sets_the_flag_before_the_forward():
     source = textwrap.dedent(BY_CODE["SC101"].INVALID[3])
     new, fixed, _ = fix_text("t.py", source, list(ALL_RULES), FixOptions())

@@ -268,6 +268,14 @@ def unsynced(flow, pop, token, step_site) -> dict:
         null, need = null_context(module)
         if isinstance(expr, ast.Name):
             expr = _assigned_context(tree, stmt, expr.id)
+        elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and not expr.args and not expr.keywords:
+            # ``ctx = model.no_sync if c else nullcontext`` then ``with ctx():``: the chosen callable
+            try:
+                chosen = _assigned_context(tree, stmt, expr.func.id)
+            except NoFix:
+                chosen = None               # a function of the project: wrapped below
+            if isinstance(chosen, ast.IfExp):
+                expr, null = chosen, null[:-2] if null.endswith("()") else null
         extra = [("import", need)] if need else []
         if isinstance(expr, ast.IfExp):
             off = expr.body if "sync" in text(module, expr.body) else expr.orelse

@@ -163,6 +163,10 @@ class Conditions:
     def literal(self, node, st, fr) -> tuple:
         polarity = True
         written = node
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            # ``if step % accum:`` is ``step % accum != 0``, one atom with the step's ``% accum == 0``
+            node = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
+            polarity = False
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotEq):
             node = ast.Compare(node.left, [ast.Eq()], node.comparators)
             polarity = False

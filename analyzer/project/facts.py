@@ -284,12 +284,47 @@ def unsynced_steps(flow) -> list:
     for pop in populations(flow):
         if not pop.data_parallel:
             continue
-        for group, outcomes in pop.groups(("stepped",)).items():
-            if outcomes and (all(t.synced == "off" for t, _, _ in outcomes) or _synced_on_last_only(pop, group)) and \
-                    not any(t.misses_forward and t.by is not None and _is_flag(flow, t.by) for t, _, _ in outcomes):
-                token, _, resolver = sorted(outcomes, key=repr)[0]
-                out.append((resolver, token, pop, group))
-                break
+        found = _unsynced_group(flow, pop, pop.groups(("stepped",)), True)
+        if found is None:
+            # ``no_sync() if args.grad_accum > 1 else nullcontext()``: where the run accumulates, every
+            # boundary is unsynced (with one micro-step per step there is nothing to get wrong)
+            switches = _accumulation_switches(flow, pop)
+            if switches:
+                found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=switches), False)
+                if found is not None:
+                    pop.switches = switches
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _unsynced_group(flow, pop, groups: dict, by_gate: bool) -> Optional[tuple]:
+    for group, outcomes in groups.items():
+        if outcomes and (all(t.synced == "off" for t, _, _ in outcomes) or
+                         (by_gate and _synced_on_last_only(pop, group))) and \
+                not any(t.misses_forward and t.by is not None and _is_flag(flow, t.by) for t, _, _ in outcomes):
+            token, _, resolver = sorted(outcomes, key=repr)[0]
+            return resolver, token, pop, group
+    return None
+
+
+# ``args.grad_accum > 1``, ``self.accum_steps != 1``: whether the run accumulates at all
+_ACCUMULATES = re.compile(r"^\s*(?:not\s+)?\(?\s*[\w.\[\]'\"]+\s*(?:>|!=|>=|==|<=|<)\s*[12]\s*\)?\s*$")
+
+
+def _accumulation_switches(flow, pop) -> list:
+    """Atoms of tests on the accumulation count against 1 (``accum > 1``), on values the loop does
+    not change: they hold all run."""
+    from synccheck.analyzer.project.branches import _COUNT_WORDS
+    out = []
+    for atom in flow.atoms.atoms:
+        if atom.index in pop.gate or atom.mod is not None or atom.loop is not None or atom.first is not None:
+            continue
+        versions, volatile = flow.atom_info.get(atom.index, ((), True))
+        # (a test in a method the loop calls reads the caller's objects: ``self.accum > 1`` holds all run)
+        stable = not volatile or (isinstance(atom.key, tuple) and atom.key[:1] == ("STABLE",))
+        if stable and _COUNT_WORDS.search(atom.text) and _ACCUMULATES.match(atom.text):
+            out.append(atom.index)
     return out
 
 
