@@ -12,7 +12,8 @@ from typing import Optional
 
 from synccheck.analyzer.project.index import Function
 
-RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
+# (``args.lora_rank``, ``low_rank``: a matrix rank, a hyper-parameter the same on every process)
+RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(?<!lora_)(?<!low_)(?<!adapter_)(?<!svd_)(?<!matrix_)(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
                        r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
                        r"is_main|rank_zero|is_master_process|is_chief|ddp_rank|is_global_main|is_local_main|is_global_master|"
@@ -99,7 +100,7 @@ class RankTests:
             if _is_const(left) and not _is_const(right):
                 left, right = right, left
                 op = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}.get(type(op), op)
-            if not RANK_NAME.search(ast.unparse(left)):
+            if not RANK_NAME.search(ast.unparse(left)) and not self._rank_valued(left, scope):
                 return None
             if isinstance(left, ast.BinOp) and not isinstance(left.op, ast.Mod):
                 return None
@@ -128,6 +129,22 @@ class RankTests:
             if returned is not None:
                 return self.polarity(returned[0], returned[1], depth + 1)
         return None
+
+    def _rank_valued(self, node, scope) -> bool:
+        """``device_id = int(os.environ["LOCAL_RANK"])``, ``self.gpu = dist.get_rank()``: a name or an
+        attribute of ``self`` bound once to a process rank, whatever it is called."""
+        value = None
+        if isinstance(node, ast.Name):
+            value = self._bound(node, scope)[0]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                isinstance(scope, Function) and scope.cls is not None and scope.params and \
+                node.value.id == scope.params[0]:
+            stored = self._stored_once(scope.cls, node.attr)
+            value = stored[0] if stored is not None else None
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "int" and \
+                len(value.args) == 1:
+            value = value.args[0]
+        return isinstance(value, (ast.Call, ast.Subscript, ast.Attribute)) and _rank_source(value)
 
     def _accessor_return(self, node, scope):
         """``self.can_checkpoint`` where the class defines ``can_checkpoint`` as a property (or a method
@@ -204,6 +221,21 @@ class RankTests:
 # every function that tests an optional parameter for None would cost more than it finds)
 _MAIN_ONLY_OBJECT = re.compile(r"writer|logger|board|tb|wandb|tracker|pbar|progress|summary|experiment|visual",
                                re.I)
+
+
+def _rank_source(node) -> bool:
+    """``os.environ["LOCAL_RANK"]``, ``os.getenv("RANK", 0)``, ``dist.get_rank()``, ``args.local_rank``."""
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+    elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and \
+            "env" in ast.unparse(node.func):
+        key = node.args[0]
+    elif isinstance(node, ast.Call):
+        return not node.args and isinstance(node.func, ast.Attribute) and node.func.attr in ("get_rank", "get_local_rank")
+    else:
+        return bool(RANK_NAME.search(node.attr)) and "rank" in node.attr.lower()
+    return isinstance(key, ast.Constant) and key.value in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID",
+                                                            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
 
 
 def _is_none(node) -> bool:

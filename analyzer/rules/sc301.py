@@ -96,8 +96,9 @@ def _wrapped_if(text: str, start: int, most: int = 4):
     return None
 
 
-# ``name = <expression>`` on one line (not ``==``): a test stored under a name of the code's choosing
-_HOLDS_TEST = re.compile(r"^[ \t]*(\w+)[ \t]*(?::[^=]*)?=(?!=)(.*)$")
+# ``name = <expression>`` on one line (not ``==``): a test (or a rank: ``self.gpu = int(os.environ["RANK"])``)
+# stored under a name of the code's choosing
+_HOLDS_TEST = re.compile(r"^[ \t]*((?:self\.)?\w+)[ \t]*(?::[^=]*)?=(?!=)(.*)$")
 
 
 class _CollectiveFunctions:
