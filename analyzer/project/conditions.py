@@ -260,7 +260,15 @@ class Conditions:
         left, right, op = node.left, node.comparators[0], type(node.ops[0])
         if isinstance(left, ast.Constant):
             left, right, op = right, left, _MIRRORED.get(op, op)      # ``0 < i`` is ``i > 0``
-        if not (isinstance(left, ast.Name) and isinstance(right, ast.Constant) and type(right.value) is int):
+        if not (isinstance(right, ast.Constant) and type(right.value) is int):
+            return
+        if isinstance(left, ast.Attribute):
+            # ``self.global_step == 0`` in a method the loop calls: a count the object starts at 0
+            found = self._attribute_count(left, node, fr)
+            if found is not None:
+                atom.first = (found[0], COMPARISONS[op](found[1], right.value))
+            return
+        if not isinstance(left, ast.Name):
             return
         found = self.flow.counter_loop(ast.dump(left), fr)
         if found is None:
@@ -278,6 +286,45 @@ class Conditions:
         # (``micro > 0``: true on every iteration but the first, so on the last one)
         if last is not None and ((op is ast.Gt and right.value == start) or (op is ast.GtE and right.value == start + 1)):
             self.atoms.universe &= ~(~MASKS[atom.index] & MASKS[last.index]) & TRUE
+
+    def _attribute_count(self, left, test, fr) -> Optional[tuple]:
+        """(the outermost running loop, the count's first value) for ``self.global_step``: set to an int
+        in the class's ``__init__`` and otherwise only moved on (``+= 1``) or set back to that int, and
+        not moved on earlier in the method that tests it. On the run's first micro-step it still has
+        its first value (``last or self.global_step == 0`` syncs the very first micro-step)."""
+        scope = fr.scope
+        if not (isinstance(left.value, ast.Name) and isinstance(scope, Function) and scope.cls is not None and
+                scope.params and left.value.id == scope.params[0] and self.flow.loop_stack):
+            return None
+        if any(loop.info.id == self.flow.loop_stack[0] for loop in fr.loops):
+            # (a loop of the method itself: its first turn comes again on every call)
+            return None
+        start = None
+        for method in scope.cls.methods.values():
+            if not method.params:
+                continue
+            me = method.params[0]
+            for node in ast.walk(method.node):
+                target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+                    getattr(node, "target", None) if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else None
+                if not (isinstance(target, ast.Attribute) and target.attr == left.attr and
+                        isinstance(target.value, ast.Name) and target.value.id == me):
+                    continue
+                value = node.value
+                number = value.value if isinstance(value, ast.Constant) and type(value.value) is int else None
+                if isinstance(node, ast.AugAssign):
+                    if not (isinstance(node.op, ast.Add) and number is not None and number > 0) or \
+                            (method is scope and node.lineno < test.lineno):
+                        return None
+                elif number is None:
+                    return None
+                elif method.node.name == "__init__":
+                    if start is not None and start != number:
+                        return None
+                    start = number
+                elif start is not None and number != start:
+                    return None
+        return (self.flow.loop_stack[0], start) if start is not None else None
 
     @staticmethod
     def _step_count(name: str, fr) -> Optional[tuple]:

@@ -521,11 +521,35 @@ def first_iteration_off(flow) -> list:
     """(forward site, model, by) where a static_graph DDP model's very first forward runs with sync
     off (SC106's fact)."""
     out = []
+    repeated = None
     for (site, model, decided, by, first, loops), guard in flow.records.forwards.items():
         if model == PLAIN or model.kind != "ddp" or not model.static_graph or decided != "off" or by is None:
             continue
+        if repeated is None:
+            repeated = _called_in_a_loop(flow)
+        if repeated:
+            # ``train_step`` called once per batch: its loop's first turn is not training's first
+            # micro-step (a count the object keeps may have moved on); its caller's flow judges that
+            break
         if not loops or not set(loops) <= set(first):
             continue
         if guard & flow.first_mask(first):
             out.append((site, model, by))
     return out
+
+
+def _called_in_a_loop(flow) -> bool:
+    """Is the root a function some loop of the project calls (``for batch in loader: trainer.train_step(batch)``)?"""
+    from synccheck.analyzer.project.definitions import Function
+    if not isinstance(flow.root, Function):
+        return False
+    for scope, call, _ in flow.values.callers(flow.root):
+        node = scope.node if isinstance(scope, Function) else getattr(scope, "tree", None)
+        if node is None:
+            continue
+        for loop in ast.walk(node):
+            if isinstance(loop, (ast.For, ast.AsyncFor, ast.While)) and \
+                    loop.lineno < call.lineno <= (loop.end_lineno or loop.lineno):
+                return True
+    return False
+

@@ -15,9 +15,10 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, GlobalRef, is_super_call, qualified_name
+from synccheck.analyzer.project.options import known_bool
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _argument, _first_arg, _kw, _parameter_sources, _sharded,
-                                                      _single_device, _strings, _text, _truthy, parameter_default)
+                                                      _single_device, _strings, _text, _truthy)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper, _cap,
@@ -216,18 +217,12 @@ class CallValues:
         return False
 
     def _set_true(self, node, scope) -> bool:
-        """Is an option set to true as far as the code says: a true literal, or a name bound only to
-        one (a parameter by its literal default, ``checkpointing=True``)? A value read from a config
-        (``cfg.static_graph``, ``args.static_graph``) is not known to be true."""
+        """Is an option set to true as far as the code says on a run with default options (options.py):
+        a true literal, a name bound only to one, a parameter by its default or its callers' arguments,
+        an argparse option on by default? A value read from a config file is not known to be true."""
         if isinstance(node, ast.Constant):
             return _truthy(node)
-        if not isinstance(node, ast.Name):
-            return False
-        bound = [v for v, _ in self.bound_expressions(node.id, scope)]
-        if not bound and isinstance(scope, Function) and node.id in scope.params:
-            default = parameter_default(scope.node, node.id)
-            bound = [default] if default is not None else []
-        return bool(bound) and all(isinstance(v, ast.Constant) and _truthy(v) for v in bound)
+        return known_bool(self, node, scope) is True
 
     def _subclass_accumulates(self, klass, call: ast.Call) -> str:
         """_accumulates of a project subclass of Accelerator: what its constructor hands to
