@@ -432,7 +432,7 @@ class Conditions:
         if name is None or not kinds <= {"ddp", "fsdp"}:
             return None
         from synccheck.analyzer.project.state import EnvVal
-        from synccheck.analyzer.project.values import Inst, Obj, Wrapper
+        from synccheck.analyzer.project.values import Inst, Obj, Unknown, Wrapper
         known = st.env.get(name)
         if known is None:
             known = EnvVal(((TRUE, self.flow.values.name(name, fr.scope, node.lineno)),))
@@ -444,6 +444,8 @@ class Conditions:
             yes = frozenset(v for v in values if isinstance(v, Wrapper) and v.kind in kinds)
             no = frozenset(v for v in values if v not in yes and (
                 isinstance(v, (Obj, Inst)) and not wrappers(frozenset((v,))) or
+                # beside the wrapper tested, what a builder out of view made: the module it wraps
+                yes and isinstance(v, (Obj, Unknown)) or
                 # a wrapper of another kind decided when it was built (DDP where the FSDP test fails)
                 isinstance(v, Wrapper) and v.kind in DECIDED_KINDS))
             if len(yes) + len(no) != len(values):
@@ -470,6 +472,9 @@ class Conditions:
         if atom is None:
             return None
         self.flow.note_atom(atom, (), False, (name,))     # (the same on every turn of a loop)
+        tested = self.flow.type_atoms.setdefault(atom.index, set())
+        for _, yes, _ in split:
+            tested |= yes
         on, off = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
         alts = []
         true = false = FALSE

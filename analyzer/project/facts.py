@@ -131,6 +131,12 @@ class Population:
         # (Not for a model whose sync is managed by hand, local SGD's parameter averaging: its step is
         # not gated, and a zero_grad after it wipes nothing of a window.)
         hand = flow.program.managed_models()
+        for k, tested in flow.type_atoms.items():
+            if model in tested:
+                # ``if enabled and isinstance(net, DDP): with net.no_sync()`` in a helper handed this
+                # wrapper (or a plain module on other runs): for this model's micro-steps the test holds
+                holds = flow.atoms.formula(flow.atoms.atoms[k], True)
+                records = [r[:4] + (r[4] & holds,) for r in records if r[4] & holds]
         all_records = records
         records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
                    or (r[1] == "wiped" and _gated_window(r[0], hand) and not r[0].shared)]

@@ -44,7 +44,12 @@ class LoopInfo:
                     self.start = _int(it.args[1]) if len(it.args) > 1 else _int(
                         next((k.value for k in it.keywords if k.arg == "start"), None)) or 0
                     if self.start == 0:
-                        self.bound = ast.dump(ast.Call(ast.Name("len", ast.Load()), [it.args[0]], []))
+                        counted = it.args[0]
+                        if isinstance(counted, ast.Call) and isinstance(counted.func, ast.Name) and \
+                                counted.func.id == "zip" and counted.args and not counted.keywords:
+                            # ``enumerate(zip(inputs, targets))`` with ``n = len(inputs)``: chunks of one batch
+                            counted = counted.args[0]
+                        self.bound = ast.dump(ast.Call(ast.Name("len", ast.Load()), [counted], []))
                 elif it.func.id == "range" and isinstance(target, ast.Name):
                     self.counter = target.id
                     if len(it.args) == 1:

@@ -133,7 +133,9 @@ def _enter(flow, s, i: int, st, fr, owner: int):
     if not any(isinstance(v, FlowCtx) for v in vals) and _opaque_context(flow, item.context_expr, vals, fr):
         value = _val(frozenset((FlowCtx("unknown", frozenset(), site_of(fr.module, item.context_expr),
                                         _text(fr, item.context_expr)),)))
-    push_controls(flow, item.context_expr, value, st, fr, owner)
+    # (``with net.no_sync(): yield`` in a @contextmanager helper: the caller's ``with helper(...)``,
+    # where the arguments that decide it are written, is where it is reported)
+    push_controls(flow, item.context_expr, value, st, fr, owner, at=fr.control)
     return _enter(flow, s, i + 1, st, fr, owner)
 
 

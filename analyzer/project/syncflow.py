@@ -71,6 +71,7 @@ class Flow(Branches, Loops):
         self.atom_names: dict = {}       # atom index -> the names its test reads
         self.atom_in_callee: set = set()  # atoms volatile only for being tested in a callee (note_atom)
         self.stable_atoms: set = set()   # atoms that hold the same value all through the analysis
+        self.type_atoms: dict = {}       # atom index -> the wrappers ``isinstance(x, DDP)`` found x may be
         self.loop_infos: dict = {}
         self.last_atoms: dict = {}
         self._first_masks: dict = {}
