@@ -36,6 +36,14 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     if receiver is not None and fn.is_method and params:
         env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))._replace(
             origin=origin_of(node.func.value, st) if isinstance(node.func, ast.Attribute) else None)
+        if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+            # ``self.micro`` moved on in the caller (``self.micro += 1``) is the callee's ``self.micro``:
+            # one count under one origin, whichever frame tests it
+            prefix = node.func.value.id + "."
+            for name, known in st.env.items():
+                if name.startswith(prefix):
+                    env[params[0] + name[len(prefix) - 1:]] = known if known.origin is not None else \
+                        known._replace(origin=("name", name, known.version))
         params = params[1:]
     kwonly = {a.arg for a in fn.node.args.kwonlyargs}
     kw_nodes = {kw.arg: kw.value for kw in node.keywords if kw.arg is not None}
