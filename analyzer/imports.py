@@ -195,6 +195,55 @@ def by_tail(table: dict, name: str):
     return next(iter(found)) if len(found) == 1 else None
 
 
+# ``import _init_paths``; ``osp.join(this_dir, '..', 'lib')``: the literal parts of a join
+_IMPORTED_WORD = re.compile(r"^[ \t]*import[ \t]+(\w*path\w*)[ \t]*$", re.M)
+_JOINED = re.compile(r"\.join\(([^()]*?)\)")
+_JOINED_WORD = re.compile(r"""['"]([\w.\-/]+)['"]""")
+_sys_paths: dict = {}
+
+
+def sys_path_roots(path: str, text: Optional[str] = None) -> list:
+    """Folders a script puts on sys.path, itself or through a sibling helper it imports
+    (``import _init_paths``: ``sys.path.insert(0, osp.join(osp.dirname(__file__), '..', 'lib'))``):
+    every ``join`` of the file's folder and literal parts that names an existing folder. Read from
+    the text, never run."""
+    found = _sys_paths.get(path)
+    if found is not None:
+        return found
+    if text is None:
+        text = _read(path) or ""
+    here = os.path.dirname(os.path.abspath(path))
+    texts = [(path, text)] if "sys.path" in text else []
+    for helper in set(_IMPORTED_WORD.findall(text)):
+        helper_path = os.path.join(here, helper + ".py")
+        helper_text = _read(helper_path) if os.path.isfile(helper_path) else None
+        if helper_text:
+            texts.append((helper_path, helper_text))
+    out: list = []
+    for where, body in texts:
+        if "sys.path" not in body or "__file__" not in body:
+            continue
+        folder = os.path.dirname(os.path.abspath(where))
+        for parts in _JOINED.findall(body):
+            words = _JOINED_WORD.findall(parts)
+            if words:
+                target = os.path.normpath(os.path.join(folder, *words))
+                if target not in out and os.path.isdir(target):
+                    out.append(target)
+    if len(_sys_paths) > 10_000:
+        _sys_paths.clear()
+    _sys_paths[path] = out
+    return out
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(200_000)
+    except OSError:
+        return None
+
+
 class Components:
     """Union-find over the files being linted (and the project files that connect them)."""
 
@@ -246,6 +295,20 @@ class Components:
                         target = by_tail(tails, name)
                         if target is not None:
                             self.union(path, target)
+                            continue
+                    if not level and any("path" in n for _, n in known.get(path) or ()):
+                        # ``import _init_paths`` then ``from dataset import ...`` found under ``../lib``
+                        for root in sys_path_roots(path):
+                            target = next((t for t in _target_files(root, name) if t in known or os.path.isfile(t)), None)
+                            if target is not None:
+                                if target not in known and hops < MAX_HOPS:
+                                    hops += 1
+                                    known[target] = read_imports(target)
+                                    if known[target] is not None:
+                                        todo.append(target)
+                                if target in known:
+                                    self.union(path, target)
+                                break
         groups: dict = {}
         for path in known:
             if path in files or path in self.parent:
@@ -290,16 +353,30 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
     stem = os.path.splitext(os.path.basename(path))[0]
     if stem == "__init__":
         stem = os.path.basename(here)
+    stems = (stem,)
+    if os.path.basename(path) != "__init__.py" and _reexported(here, stem):
+        # ``from lib.train.trainers import LTRTrainer`` where the package's __init__ re-exports it
+        stems += (os.path.basename(here),)
     near = list(dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]))
-    found = _importers_in(near, stem, path, linted, limit)
+    found = _importers_in(near, stems, path, linted, limit)
     top = _project_top(here)
     if top is not None:
         # nearest in the tree first: ``src/pkg/pipeline/`` before ``examples/*/`` for ``src/pkg/utils/x.py``
         here_parts = here.split(os.sep)
         folders = list(islice(_project_folders(top, set(near)), MAX_FAR_FOLDERS))
         folders.sort(key=lambda d: -_shared_parts(here_parts, d.split(os.sep)))
-        found += _importers_in(folders, stem, path, linted, limit)[:MAX_FAR_IMPORTERS]
+        found += _importers_in(folders, stems, path, linted, limit)[:MAX_FAR_IMPORTERS]
     return found
+
+
+def _reexported(folder: str, stem: str) -> bool:
+    """Does ``folder/__init__.py`` import from its module ``stem`` (``from .ltr_trainer import X``)?"""
+    try:
+        with open(os.path.join(folder, "__init__.py"), "rb") as fh:
+            data = fh.read(200_000)
+    except OSError:
+        return False
+    return bool(re.search(rb"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem.encode()) + rb"[ \t]+import\b", data, re.M))
 
 
 MAX_FAR_FOLDERS = 2000
@@ -344,11 +421,12 @@ def _shared_parts(a: list, b: list) -> int:
     return n
 
 
-def _importers_in(directories, stem: str, path: str, linted: set, limit: int) -> list:
-    word = stem.encode()
+def _importers_in(directories, stems: tuple, path: str, linted: set, limit: int) -> list:
+    words = [stem.encode() for stem in stems]
 
     def imports_it(data: bytes) -> bool:
-        return word in data and any(mod.rsplit(".", 1)[-1] == stem for level, mod in imported_names(data))
+        return any(word in data for word in words) and \
+            any(mod.rsplit(".", 1)[-1] in stems for level, mod in imported_names(data))
     return _files_saying(directories, imports_it, path, linted, limit)
 
 

@@ -1288,3 +1288,105 @@ def test_findings_do_not_depend_on_where_the_project_is_checked_out(tmp_path):
         hashes.append((hash(module), sorted(hash(f) for f in module.functions.values()),
                        sorted(hash(k) for k in module.classes.values())))
     assert hashes[0] == hashes[1]
+
+
+# ``import _init_paths`` puts ``../lib`` on sys.path; the script imports the package ``dataset``, whose
+# __init__ re-exports the builder (HigherHRNet's tools/dist_train.py and lib/dataset/build.py)
+SYS_PATH_HELPER = {
+    "setup.py": "",
+    "lib/dataset/__init__.py": """
+        from .build import make_dataloader
+    """,
+    "lib/dataset/build.py": """
+        import torch.utils.data.distributed
+        from torch.utils.data import DataLoader
+
+
+        def make_dataloader(dataset, batch_size, distributed=False):
+            sampler = torch.utils.data.distributed.DistributedSampler(dataset) if distributed else None  # SC302
+            return DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler)
+    """,
+    "tools/_init_paths.py": """
+        import os.path as osp
+        import sys
+
+
+        def add_path(path):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+
+
+        this_dir = osp.dirname(__file__)
+        add_path(osp.join(this_dir, '..', 'lib'))
+    """,
+    "tools/dist_train.py": """
+        import torch
+
+        import _init_paths
+        from dataset import make_dataloader
+
+
+        def main(data, model, optimizer, epochs):
+            loader = make_dataloader(data, 32, distributed=True)
+            for epoch in range(epochs):
+                for x, y in loader:
+                    optimizer.zero_grad()
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    optimizer.step()
+    """,
+}
+
+
+@pytest.mark.parametrize("paths", [None, ["lib/dataset/build.py"]], ids=["folder", "single-file"])
+def test_a_package_found_through_a_sys_path_helper_and_its_reexport(tmp_path, paths):
+    check_project(tmp_path, SYS_PATH_HELPER, paths=paths)
+
+
+# the trainer module is imported through its package's __init__ (``from lib.train.trainers import
+# LTRTrainer``), the model hidden in an actor object (MixFormer's lib/train/trainers/ltr_trainer.py)
+REEXPORTED_TRAINER = {
+    "setup.py": "",
+    "lib/__init__.py": "",
+    "lib/train/__init__.py": "",
+    "lib/train/trainers/__init__.py": """
+        from .ltr_trainer import LTRTrainer
+    """,
+    "lib/train/trainers/ltr_trainer.py": """
+        class LTRTrainer:
+            def __init__(self, actor, loader, optimizer, accum_iter=1):
+                self.actor, self.loader, self.optimizer, self.accum_iter = actor, loader, optimizer, accum_iter
+
+            def cycle_dataset(self):
+                for i, data in enumerate(self.loader, 1):
+                    loss = self.actor(data) / self.accum_iter
+                    loss.backward()  # SC101
+                    if i % self.accum_iter == 0:
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+    """,
+    "lib/train/run_training.py": """
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from lib.train.trainers import LTRTrainer
+
+
+        class Actor:
+            def __init__(self, net):
+                self.net = net
+
+            def __call__(self, data):
+                return self.net(data).mean()
+
+
+        def run(net, loader, local_rank, accum_iter):
+            net = DDP(net, device_ids=[local_rank])
+            optimizer = torch.optim.AdamW(net.parameters())
+            LTRTrainer(Actor(net), loader, optimizer, accum_iter=accum_iter).cycle_dataset()
+    """,
+}
+
+
+@pytest.mark.parametrize("paths", [None, ["lib/train/trainers/ltr_trainer.py"]], ids=["folder", "single-file"])
+def test_a_trainer_imported_through_its_packages_reexport(tmp_path, paths):
+    check_project(tmp_path, REEXPORTED_TRAINER, paths=paths)

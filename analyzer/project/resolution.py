@@ -13,7 +13,7 @@ import ast
 import os
 from typing import Optional
 
-from synccheck.analyzer.imports import by_tail, folder_word, path_tails
+from synccheck.analyzer.imports import by_tail, folder_word, path_tails, sys_path_roots
 from synccheck.analyzer.project.definitions import Class, External, GlobalRef, Module, ModuleRef
 from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
 
@@ -50,6 +50,10 @@ class Resolution:
             head, rest = name.split(".", 1)
             found = next((f for root in roots if folder_word(root) == head.lower()
                           for f in (self._find_path(root, rest.split(".")),) if f), None)
+        if found is None and ("sys.path" in importer.text or "_path" in importer.text):
+            # ``import _init_paths`` putting ``../lib`` on sys.path, then ``from dataset import ...``
+            found = next((f for root in sys_path_roots(importer.path, importer.text) if root not in roots
+                          for f in (self._find_path(root, name.split(".")),) if f), None)
         if found is None:
             found = self._lint_set_suffix(name)
         self._find_cache[key] = found
