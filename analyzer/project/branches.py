@@ -176,11 +176,25 @@ def count_guard(test, divided) -> bool:
         return True
     terms = {ast.unparse(n) for n in ast.walk(test) if isinstance(n, (ast.Name, ast.Attribute, ast.Subscript))}
     terms = {t for t in terms if not any(o != t and o.startswith(t) for o in terms)}   # ``args`` of ``args.x``
+    means = {id(m) for d in divided for n in ast.walk(d) if isinstance(n, ast.BinOp) and _weighted_mean(n)
+             for m in ast.walk(n)}
     divisors = [n.right for d in divided for n in ast.walk(d) if isinstance(n, ast.BinOp) and
-                isinstance(n.op, (ast.Div, ast.FloorDiv, ast.Mult))]
+                isinstance(n.op, (ast.Div, ast.FloorDiv, ast.Mult)) and id(n) not in means]
     divisors += [d.value for d in divided if isinstance(d, ast.AugAssign) and isinstance(d.op, (ast.Div, ast.Mult))]
     text = "\n".join(ast.unparse(d) for d in divisors)
     return any(re.search(r"(?<![\w.])" + re.escape(t) + r"(?![\w\[])", text) for t in terms)
+
+
+def _weighted_mean(n: ast.BinOp) -> bool:
+    """``(losses * weights).sum() / weights.sum()``: the mean of one micro-batch under its own weights,
+    not a count of the window (its test, ``if weights is None``, is not about the accumulation)."""
+    right = n.right
+    if not (isinstance(n.op, ast.Div) and isinstance(right, ast.Call) and isinstance(right.func, ast.Attribute)
+            and right.func.attr == "sum" and not right.args):
+        return False
+    weights = ast.unparse(right.func.value)
+    return any(isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mult) and weights in (ast.unparse(m.left), ast.unparse(m.right))
+               for m in ast.walk(n.left))
 
 
 def _divided_on_one_side(s: ast.If, body: St, orelse: St, out: St) -> None:

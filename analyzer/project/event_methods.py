@@ -15,6 +15,7 @@ from typing import Optional
 
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Const, Ext, Framework, Inner, Inst, Obj,
@@ -99,6 +100,20 @@ def _project_method(flow, values, name: str) -> bool:
     return any(isinstance(v, Inst) and flow.project.attribute(v.cls, name) is not None for v in values)
 
 
+def _clears_by_hand(flow, values) -> bool:
+    """Does the project class's ``zero_grad`` clear the gradients itself (``p.grad = None``,
+    ``p.grad.zero_()``) rather than call an optimizer's?"""
+    for v in values:
+        if isinstance(v, Inst):
+            method = flow.project.attribute(v.cls, "zero_grad")
+            if isinstance(method, Function):
+                text = method.module.segment(method.node) or ""
+                if ".zero_grad(" not in text and any(w in text for w in (".grad = None", ".grad.zero_()",
+                                                                           ".grad.data.zero_()")):
+                    return True
+    return False
+
+
 def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[EnvVal]:
     """Methods that are events whatever their receiver's class: backward, step, zero_grad, no_sync..."""
     vals = recv.values
@@ -156,6 +171,10 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             step(flow, node, frozenset(), st, fr, unknown=True)
             return NONE_VAL
         return None
+    if attr == "zero_grad" and project_method and _clears_by_hand(flow, vals):
+        # an apex-style ``FP16_Optimizer.zero_grad()`` that loops over its groups setting ``p.grad``
+        zero_grad(flow, node, frozenset(), st, fr)
+        return NONE_VAL
     if attr == "zero_grad" and not project_method:
         unknown = _unknown(vals)
         named_optimizer = vocab.looks_like_optimizer(_name(node.func.value))
