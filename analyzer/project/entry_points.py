@@ -58,6 +58,45 @@ def per_call_step(program, fn) -> bool:
     return _counter_gates_step(program, fn, MAX_DEPTH, set())
 
 
+MAX_DRIVERS = 8
+
+
+def drivers_of(program, seen: set) -> list:
+    """Parse (as files that may hold a finding) the linted files of the component, not parsed yet, that
+    call by name a function of a parsed module that runs a backward and a step and that nothing parsed
+    calls (roots): at most MAX_DRIVERS, the files with a loop only."""
+    project = program.project
+    if not project.catalog:
+        return []
+    program._calls_eventful("")              # (the names of the training functions parsed so far)
+    orphans = sorted(n for n in program._eventful if not n.startswith("__") and "backward" in _words_named(program, n)
+                     and not called_in_view(program, n))
+    if not orphans:
+        return []
+    calls = re.compile(r"(?<![\w])(?:" + "|".join(map(re.escape, orphans)) + r")\(")
+    out = []
+    for apath in list(project.catalog):
+        if apath in project._context_only:
+            continue
+        text = project.catalog_text(apath)
+        if not text or not ("for " in text or "while " in text) or not calls.search(text):
+            continue
+        module = project._from_catalog(apath)
+        if module is not None and module.path not in seen:
+            module.on_demand = False
+            out.append(module)
+            if len(out) >= MAX_DRIVERS:
+                break
+    return out
+
+
+def _words_named(program, name: str) -> set:
+    words: set = set()
+    for fn in program._by_name.get(name, ()):
+        words |= program.fn_words(fn)
+    return words
+
+
 def _gates_itself(program, fn) -> bool:
     """Syntax only: an ``if`` on a counter whose branches step (or leave) in ``fn``'s own body."""
     cache = program.__dict__.setdefault("_gates_itself", {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
-from synccheck.analyzer.project.entry_points import per_call_step, sibling_step
+from synccheck.analyzer.project.entry_points import drivers_of, per_call_step, sibling_step
 from synccheck.analyzer.project.duck import duck_method
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function, Project
@@ -100,8 +100,15 @@ class Program(Words, WrappedModels):
         """Functions and script bodies of linted modules whose loop reaches a backward. Looking at one
         may parse more of the project (a caller, a base class): those modules are looked at too."""
         out, seen = [], set()
+        drivers_read = False
         while True:
             fresh = [m for m in self.project.modules() if m.path not in seen]
+            if not fresh and not drivers_read:
+                # a linted file of the component not parsed yet whose loop calls a parsed training
+                # function nobody in view calls (mmengine-style ``runner.run_iter`` ->
+                # ``optim_wrapper.update_params(loss)``): the loop is in it
+                drivers_read = True
+                fresh = drivers_of(self, seen)
             if not fresh:
                 return out
             for module in fresh:

@@ -13,6 +13,7 @@ from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.call_kinds import sets_sync_flag
 from synccheck.analyzer.project.index import Class, Function, GlobalRef
 from synccheck.analyzer.project.traversal import walk_no_defs
+from synccheck.analyzer.project.value_helpers import _class_attrs
 
 # Calls whose names make a file worth a root: words a training loop must say.
 STEP_WORDS = ("step",)
@@ -142,6 +143,16 @@ class Words:
                                 if target not in found:
                                     found.append(target)
                 return found
+            if isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and isinstance(scope, Function) and \
+                    scope.cls is not None and scope.params and base.value.id == scope.params[0]:
+                # ``self.optim_wrapper.update_params(loss)`` with ``self.optim_wrapper = AmpOptimWrapper(...)``
+                found = []
+                for klass in self._stored_classes(scope.cls, base.attr):
+                    for target in _callables(self.project, self.project.attribute(klass, func.attr)):
+                        if target not in found:
+                            found.append(target)
+                if found:
+                    return found
             if isinstance(base, (ast.Name, ast.Attribute)):
                 sym = self.project.resolve_expr(module, base)
                 if sym is not None and not isinstance(sym, GlobalRef):
@@ -156,6 +167,17 @@ class Words:
                 return [duck.fn] if duck is not None else []
             return []
         return []
+
+    def _stored_classes(self, klass, attr: str) -> list:
+        """The project classes whose instances the class's methods store in ``self.attr``
+        (``self.optim_wrapper = AmpOptimWrapper(optimizer, ...)``), from syntax and the index."""
+        out = []
+        for owner, value, path in _class_attrs(self.values, klass).get(attr, ()):
+            if isinstance(value, ast.Call) and not path and isinstance(value.func, (ast.Name, ast.Attribute)):
+                sym = self.project.resolve_expr(owner.module if isinstance(owner, Function) else owner, value.func)
+                if isinstance(sym, Class) and sym not in out:
+                    out.append(sym)
+        return out
 
     def _after_in_mro(self, klass, name: str) -> list:
         if name.startswith("__"):
