@@ -1390,3 +1390,46 @@ REEXPORTED_TRAINER = {
 @pytest.mark.parametrize("paths", [None, ["lib/train/trainers/ltr_trainer.py"]], ids=["folder", "single-file"])
 def test_a_trainer_imported_through_its_packages_reexport(tmp_path, paths):
     check_project(tmp_path, REEXPORTED_TRAINER, paths=paths)
+
+
+# a callback of a library calls its hooks itself: the method's name appears nowhere else, and it runs
+LIBRARY_CALLBACK_SEEDS_THE_SAMPLER = {
+    "callbacks.py": """
+        import lightning.pytorch as pl
+
+
+        class ReseedSampler(pl.Callback):
+            def on_train_epoch_start(self, trainer, pl_module):
+                trainer.datamodule.sampler.set_epoch(trainer.current_epoch)
+    """,
+    "data.py": """
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+
+        def loader(dataset):
+            sampler = DistributedSampler(dataset)
+            return DataLoader(dataset, sampler=sampler, batch_size=8)
+    """,
+    "train.py": """
+        import torch
+
+        from callbacks import ReseedSampler
+        from data import loader
+        from loops import fit_loop
+
+
+        def main(model, dataset, optimizer, epochs):
+            batches = loader(dataset)
+            fit_loop(model, batches, optimizer, epochs, callbacks=[ReseedSampler()])
+            for epoch in range(epochs):
+                for x in batches:
+                    model(x).sum().backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """,
+}
+
+
+def test_a_library_callbacks_hook_is_taken_to_run(tmp_path):
+    check_project(tmp_path, LIBRARY_CALLBACK_SEEDS_THE_SAMPLER)

@@ -11,6 +11,7 @@ import ast
 import re
 from typing import NamedTuple, Optional
 
+from synccheck.analyzer.project.dead_code import never_runs
 from synccheck.analyzer.project.definitions import Function, called_name, is_super_call
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk
@@ -156,6 +157,8 @@ def samplers_without_set_epoch(program) -> list:
         last = _last_name(call.func.value)
         if _DATASET.search(last) and "sampler" not in last.lower():
             continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
+        if never_runs(program, scope):
+            continue        # ``set_epoch`` in a hook nothing calls, or a hook class nothing registers
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
             once |= {v for v in receiver if isinstance(v, Sampler)}
@@ -302,7 +305,8 @@ def _prepared_loaders(program) -> set:
     return out
 
 
-_EPOCH_LOOP = re.compile(r"^[ \t]*(?:async[ \t]+)?for[ \t]+[\w, ()]*epoch\w*[\w, ()]*[ \t]+in[ \t]", re.M | re.I)
+_EPOCH_LOOP = re.compile(r"^[ \t]*(?:(?:async[ \t]+)?for[ \t]+[\w, ()]*epoch\w*[\w, ()]*[ \t]+in[ \t]|"
+                         r"while[ \t][^\n:]*epoch[^\n:]*[<>][^\n]*:)", re.M | re.I)
 
 
 def _has_epoch_loop(program) -> bool:
@@ -317,7 +321,8 @@ def _has_epoch_loop(program) -> bool:
     for module in program.project.modules():
         for node in block_nodes(module.tree):
             if isinstance(node, (ast.For, ast.While)):
-                target = ast.unparse(node.target) if isinstance(node, ast.For) else ""
+                # (``for epoch in ...``; ``while self._epoch < self._max_epochs:``, mmcv's runner)
+                target = ast.unparse(node.target) if isinstance(node, ast.For) else ast.unparse(node.test)
                 if "epoch" in target.lower():
                     return True
                 if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and _counts(node, module):
