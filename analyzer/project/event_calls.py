@@ -354,6 +354,11 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
             return _val(frozenset((Inst(v.cls),)))
     elif isinstance(v, Inst):
         method = flow.project.attribute(v.cls, "__call__")
+        if not isinstance(method, Function) and any(b.rpartition(".")[2] == "Module"
+                                                     for b in flow.project.external_bases(v.cls)):
+            # ``criterion(logits, target)`` on a project ``nn.Module``: its ``forward`` runs
+            # (``AccumulationScaledLoss.forward`` returning ``self.base(...) / self.accum_steps``)
+            method = flow.project.attribute(v.cls, "forward")
         if not isinstance(method, Function):
             return None
         fn, receiver = method, v
