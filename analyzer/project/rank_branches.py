@@ -17,7 +17,7 @@ from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, Inst, parameter_default
 from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
-from synccheck.analyzer.project.rank_tests import RankTests, _kind, _negation, _ranked
+from synccheck.analyzer.project.rank_tests import RANK_NAME, RankTests, _kind, _negation, _ranked
 
 class RankCollective(NamedTuple):
     module: object
@@ -141,6 +141,15 @@ class _RankChecker(RankTests):
                 continue
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
+            if isinstance(stmt, ast.Match) and side is None and self._rank_match(stmt, scope):
+                # ``match dist.get_rank(): case 0: ... case _: ...``: the cases are rank branches
+                subject = ast.unparse(stmt.subject)
+                for case in stmt.cases:
+                    value = _case_value(case)
+                    sided = "main" if value == 0 else "other" if _is_wildcard(case) else None
+                    said = f"{subject} == 0" if sided == "main" else f"{subject} != 0" if sided else None
+                    self.walk(case.body, sided, said, scope, found)
+                continue
             for field in ("test", "iter", "value", "exc", "subject"):
                 node = getattr(stmt, field, None)
                 if isinstance(node, ast.expr):
@@ -157,6 +166,12 @@ class _RankChecker(RankTests):
             del self._full_state_dict[len(self._full_state_dict) - len(full):]
             for handler in getattr(stmt, "handlers", ()):
                 self.walk(handler.body, side, test, scope, found)
+
+    def _rank_match(self, stmt, scope) -> bool:
+        """A ``match`` on the rank: its subject reads one, and one case is rank 0."""
+        subject = stmt.subject
+        named = bool(RANK_NAME.search(ast.unparse(subject))) or self._rank_valued(subject, scope)
+        return named and any(_case_value(c) == 0 for c in stmt.cases)
 
     def _calls(self, expr, side, test, scope, found: list) -> None:
         for node, side, test in self._sided_calls(expr, side, test, scope):
@@ -544,3 +559,17 @@ def _sub_group(group, scope) -> bool:
             if name == "new_group" and not value.args and not any(kw.arg == "ranks" for kw in value.keywords):
                 return False
     return True
+
+
+def _case_value(case):
+    """The int a ``case`` matches (``case 0:``), or None."""
+    pattern = case.pattern
+    if case.guard is None and isinstance(pattern, ast.MatchValue) and isinstance(pattern.value, ast.Constant) and \
+            type(pattern.value.value) is int:
+        return pattern.value.value
+    return None
+
+
+def _is_wildcard(case) -> bool:
+    return case.guard is None and isinstance(case.pattern, ast.MatchAs) and case.pattern.pattern is None
+

@@ -57,7 +57,8 @@ def _rank_if_lines(text: str):
     for line_end, line in _rank_word_lines(text):
         code = line.split("#", 1)[0].rstrip()
         stripped = code.lstrip()
-        if stripped.startswith(("if ", "if(", "elif ", "elif(")) and code.endswith(":") and RANK_TEST.search(code):
+        if stripped.startswith(("if ", "if(", "elif ", "elif(", "match ")) and code.endswith(":") and \
+                RANK_TEST.search(code):
             yield line_end, len(line) - len(line.lstrip())
         elif code.endswith(":") and RANK_TEST.search(code):
             # the last line of a test written over several lines (``if not distributed or (distributed
