@@ -440,6 +440,11 @@ def wiped(flow) -> list:
     ``accelerator.accumulate``): the window's earlier micro-steps are wiped at every step."""
     out = []
     for pop in populations(flow):
+        if not pop.stepped and not pop.records:
+            found = _wiped_every_turn(flow, pop)
+            if found is not None:
+                out.append(found)
+            continue
         if not pop.stepped or not pop.accumulating:
             continue
         late = _late_wipes(flow, pop)
@@ -466,6 +471,17 @@ def wiped(flow) -> list:
             if found is not None:
                 out.append(found)
     return out
+
+
+def _wiped_every_turn(flow, pop) -> Optional[tuple]:
+    """nanoGPT's "flush the gradients" ``zero_grad()`` indented into the micro-step loop: every
+    micro-step's gradients, the last one's included, are wiped in their own turn, and the step comes
+    after the loop, on nothing. (at_boundary "all")"""
+    wipes = [r for r in pop.late_wipes if r[0].site is not None]
+    if not wipes or not any(_outside(flow, s, pop.loop) and flow.records.loops_at.get(s) for s in flow.records.reach):
+        return None
+    token, kind, resolver, across, guard = sorted(wipes, key=repr)[0]
+    return resolver, token, pop, 0, "all"
 
 
 def _wiped_at_boundary(flow, pop) -> Optional[tuple]:

@@ -85,7 +85,10 @@ class ZeroGradEveryMicrostep(Rule):
         for flow in ctx.flows:
             for site, token, outcomes, group, at_boundary in wiped(flow):
                 module, node = ctx.node(flow, site)
-                what = (f"`{ctx.text(module, node)}` runs on the micro-step that steps, before its backward: it wipes "
+                what = (f"`{ctx.text(module, node)}` runs after every micro-step's backward, the last one's included, "
+                        f"and the optimizer steps after this loop: it steps on no gradients at all"
+                        if at_boundary == "all" else
+                        f"`{ctx.text(module, node)}` runs on the micro-step that steps, before its backward: it wipes "
                         f"the gradients the window's earlier micro-steps accumulated, so the optimizer only ever sees "
                         f"the last micro-batch" if at_boundary else
                         f"`{ctx.text(module, node)}` runs on every micro-step of this accumulation loop: it wipes "
