@@ -323,7 +323,10 @@ class Components:
         members = [p for group in groups for p in group]
         where = set(members)
         joiners = []
-        for path, imports in others.items():
+        # a package's __init__ that imports a member first (it is how ``from models import build_model``
+        # reaches ``models/sr_model.py``), then the files that import members or those
+        ordered = sorted(others.items(), key=lambda item: not item[0].endswith("__init__.py"))
+        for path, imports in ordered:
             if path in where:
                 continue
             hit = set()
@@ -332,16 +335,30 @@ class Components:
                     if target in where:
                         hit.add(self.find(target))
                         break
-            if len(hit) >= 2:
+            if len(hit) >= 2 or (hit and (path.endswith("__init__.py") or _script_with_a_loop(path))):
+                # (or a script whose loop may drive the one it imports: ``model.optimize_parameters(...)``
+                # in train.py, which says none of our words; parsed only if the analysis finds it drives
+                # a training function nothing else calls, program.drivers_of)
                 for root in hit:
                     self.union(path, root)
                 joiners.append(path)
+                where.add(path)
         if not joiners:
             return groups
         out: dict = {}
         for path in members + joiners:
             out.setdefault(self.find(path), []).append(path)
         return list(out.values())
+
+
+_SCRIPT_NAME = re.compile(r"(?:^|_)(?:train|main|run|finetune|pretrain)(?:_|\.py$)", re.I)
+
+
+def _script_with_a_loop(path: str) -> bool:
+    """A script (``__main__`` or a training script's name) with a loop."""
+    data = _read(path)
+    return bool(data) and ("for " in data or "while " in data) and (
+        "__main__" in data or bool(_SCRIPT_NAME.search(os.path.basename(path))))
 
 
 def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:

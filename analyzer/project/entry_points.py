@@ -59,6 +59,7 @@ def per_call_step(program, fn) -> bool:
 
 
 MAX_DRIVERS = 8
+MAX_DRIVEN_PROJECT = 400
 
 
 def drivers_of(program, seen: set) -> list:
@@ -66,20 +67,28 @@ def drivers_of(program, seen: set) -> list:
     call by name a function of a parsed module that runs a backward and a step and that nothing parsed
     calls (roots): at most MAX_DRIVERS, the files with a loop only."""
     project = program.project
-    if not project.catalog:
-        return []
+    if not project.catalog or len(project.catalog) + len(project.by_path) > MAX_DRIVEN_PROJECT:
+        return []           # (a library's package, not a training project)
     program._calls_eventful("")              # (the names of the training functions parsed so far)
-    orphans = sorted(n for n in program._eventful if not n.startswith("__") and "backward" in _words_named(program, n)
-                     and not called_in_view(program, n))
-    if not orphans:
+    names = sorted(n for n in program._eventful if not n.startswith("__"))
+    if not names:
         return []
-    calls = re.compile(r"(?<![\w])(?:" + "|".join(map(re.escape, orphans)) + r")\(")
-    out = []
+    calls = re.compile(r"(?<![\w])(" + "|".join(map(re.escape, names)) + r")\(")
+    candidates = []         # (file, the training functions it calls)
     for apath in list(project.catalog):
         if apath in project._context_only:
             continue
         text = project.catalog_text(apath)
-        if not text or not ("for " in text or "while " in text) or not calls.search(text):
+        if text and ("for " in text or "while " in text):
+            called = set(calls.findall(text))
+            if called:
+                candidates.append((apath, called))
+    orphans: dict = {}
+    out = []
+    for apath, called in candidates:
+        for name in called - set(orphans):
+            orphans[name] = "backward" in _words_named(program, name) and not called_in_view(program, name)
+        if not any(orphans[n] for n in called) or apath not in project.catalog:
             continue
         module = project._from_catalog(apath)
         if module is not None and module.path not in seen:

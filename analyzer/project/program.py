@@ -104,9 +104,9 @@ class Program(Words, WrappedModels):
         while True:
             fresh = [m for m in self.project.modules() if m.path not in seen]
             if not fresh and not drivers_read:
-                # a linted file of the component not parsed yet whose loop calls a parsed training
-                # function nobody in view calls (mmengine-style ``runner.run_iter`` ->
-                # ``optim_wrapper.update_params(loss)``): the loop is in it
+                # no training loop in view: a linted file of the component not parsed yet whose loop
+                # calls a parsed training function nobody in view calls (mmengine-style
+                # ``runner.run_iter`` -> ``optim_wrapper.update_params(loss)``) is where it is
                 drivers_read = True
                 fresh = drivers_of(self, seen)
             if not fresh:

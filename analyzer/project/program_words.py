@@ -207,14 +207,22 @@ _STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim
 
 def _returned_classes(project, fn) -> list:
     """The project classes a function returns instances of, built in its return statements
-    (``return YoloTrainer(args)``); none for anything but a function."""
+    (``return YoloTrainer(args)``) or bound to the name it returns; none for anything but a function."""
     if not isinstance(fn, Function):
         return []
     out = []
+    returned = set()        # ``model = SRModel(opt)`` (in each branch) then ``return model``
+    made = []
     for node in _walk_no_defs(fn.node):
-        if isinstance(node, ast.Return) and isinstance(node.value, ast.Call) and \
-                isinstance(node.value.func, (ast.Name, ast.Attribute)):
-            sym = project.resolve_expr(fn.module, node.value.func)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Name):
+            returned.add(node.value.id)
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            made.append((node.targets[0].id, node.value))
+    calls = [node.value for node in _walk_no_defs(fn.node) if isinstance(node, ast.Return)]
+    calls += [value for name, value in made if name in returned]
+    for call in calls:
+        if isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute)):
+            sym = project.resolve_expr(fn.module, call.func)
             if isinstance(sym, Class) and sym not in out:
                 out.append(sym)
     return out

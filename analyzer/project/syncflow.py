@@ -337,10 +337,11 @@ class Flow(Branches, Loops):
 
     def _holds_the_micro_step(self, module, node) -> bool:
         """Does the function of ``module`` holding the backward ``node`` make its own loss and step the
-        optimizer on a schedule of its own (detectron2's ``AccumTrainer.run_step``, called by the base
-        class's loop)? The micro-step is that function's: its backward is reported where it is. (A
-        ``_backward(self, loss)`` helper handed the loop's loss, which steps when due, and a loss scaler
-        handed ``update_grad=``, are reported at the loop's call.)"""
+        optimizer when due (detectron2's ``AccumTrainer.run_step``, called by the base class's loop; a
+        BasicSR-style ``optimize_parameters(..., apply_gradient)`` handed the loop's flag)? The
+        micro-step is that function's: its backward is reported where it is. (A ``_backward(self,
+        loss)`` helper handed the loop's loss, and a loss scaler handed ``update_grad=``, are reported
+        at the loop's call.)"""
         best = enclosing_function(module, node)
         if best is None or not {"step", "backward"} <= self.program.fn_words(best):
             return False
@@ -348,10 +349,8 @@ class Flow(Branches, Loops):
             return False
         # its own schedule: a test of its own (``(self.iter + 1) % self.accum_iters == 0``), not a
         # flag it was handed (a loss scaler's ``if update_grad:``)
-        params = set(best.params)
         for stmt in walk_no_defs(best.node):
-            if isinstance(stmt, ast.If) and "step" in self.program.words(stmt.body, best) and \
-                    not (isinstance(stmt.test, ast.Name) and stmt.test.id in params):
+            if isinstance(stmt, ast.If) and "step" in self.program.words(stmt.body, best):
                 return True
         return False
 
