@@ -299,6 +299,15 @@ def unsynced_steps(flow) -> list:
                 found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=switches), False)
                 if found is not None:
                     pop.switches = switches
+        if found is None and not pop.gate:
+            # no accumulation: the optimizer steps after every batch, but sync is off on every N-1 of
+            # N (``no_sync() if (step + 1) % interval != 0``, a "sync every N batches" option without
+            # any averaging of the parameters): those steps apply each rank's own gradients
+            periodic = [a.index for a in flow.atoms.atoms if a.mod is not None]
+            if periodic:
+                found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=periodic), False)
+                if found is not None:
+                    pop.switches = periodic
         if found is not None:
             out.append(found)
     return out

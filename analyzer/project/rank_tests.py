@@ -20,6 +20,9 @@ RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(?<!lora_)(?<!low_)(?<!adapter_)(?<!svd
                        r"is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker)(?![A-Za-z0-9])",
                        re.I)
 MAIN_WORDS = ("main", "master", "zero", "chief")
+# a process's rank number, tested as a truth value
+_RANK_NUMBER = re.compile(r"(?:^|[._])(?:rank|global_rank|local_rank|get_rank|get_local_rank|node_rank|process_index|"
+                          r"local_process_index|ddp_rank)$", re.I)
 # a test of whether the job is distributed at all: false, there is one process
 DISTRIBUTED_TEST = re.compile(r"distributed|is_initialized|is_dist|world_size|ddp|multi_gpu|n_gpu|num_gpus|"
                               r"num_processes|use_dist", re.I)
@@ -128,6 +131,10 @@ class RankTests:
             returned = self._accessor_return(node, scope)
             if returned is not None:
                 return self.polarity(returned[0], returned[1], depth + 1)
+            if _RANK_NUMBER.search(text) or (not isinstance(test, ast.Call) and self._rank_valued(test, scope)):
+                # ``if rank:`` / ``if not rank:`` with ``rank = get_rank()``: a rank as a truth value
+                # holds on every rank but 0
+                return "other"
         return None
 
     def _rank_valued(self, node, scope) -> bool:

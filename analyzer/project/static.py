@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project.dead_code import never_runs
 from synccheck.analyzer.project.definitions import Function, called_name, is_super_call
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
-from synccheck.analyzer.project.traversal import block_nodes, walk
+from synccheck.analyzer.project.traversal import block_nodes, walk, walk_no_defs
 # SC104's facts live in unwrapped.py; their names stay importable from here
 from synccheck.analyzer.project.unwrapped import (Unwrapped, _binding, _forwards_through, _holds_wrapper,  # noqa: F401
                                                   _is_wrapping_call, _text, _unwrapped_alias, no_sync_on_unwrapped)
@@ -178,6 +178,11 @@ def samplers_without_set_epoch(program) -> list:
                 seeded.add(v)
             elif isinstance(v, (Unknown, Obj, Ext)):
                 unknown = True
+    # ``self.sampler.epoch = epoch``: what set_epoch does, written by hand
+    for scope, receiver in _epoch_stores(program):
+        for v in values.expr(receiver, scope):
+            if isinstance(v, Sampler):
+                seeded.add(v)
     # ``getattr(loader.sampler, "set_epoch", lambda e: None)(epoch)``: called by a name in a string
     unknown = unknown or any(_SET_EPOCH_BY_NAME.search(m.text) for m in program.project.linted())
     if unknown:
@@ -307,6 +312,21 @@ def _prepared_loaders(program) -> set:
 
 _EPOCH_LOOP = re.compile(r"^[ \t]*(?:(?:async[ \t]+)?for[ \t]+[\w, ()]*epoch\w*[\w, ()]*[ \t]+in[ \t]|"
                          r"while[ \t][^\n:]*epoch[^\n:]*[<>][^\n]*:)", re.M | re.I)
+
+
+def _epoch_stores(program) -> list:
+    """(scope, receiver) of each ``receiver.epoch = ...`` in a function of a parsed module."""
+    out = []
+    for module in program.project.modules():
+        if ".epoch =" not in module.text:
+            continue
+        for fn in module.functions.values():
+            for node in walk_no_defs(fn.node):
+                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "epoch"
+                                                        for t in node.targets):
+                    out.extend((fn, t.value) for t in node.targets
+                               if isinstance(t, ast.Attribute) and t.attr == "epoch")
+    return out
 
 
 def _has_epoch_loop(program) -> bool:
