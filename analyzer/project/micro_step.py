@@ -250,7 +250,12 @@ def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> Non
         return
     prepared = any(isinstance(v, Optim) and v.managed for v in vals)
     if prepared and not any(c.effect == "managed" for prop in st.props for c in prop.controls):
-        return                  # not inside ``accelerator.accumulate``: does nothing we model
+        # not inside ``accelerator.accumulate``: a prepared optimizer's does nothing we model; a plain
+        # one the same name holds on other runs (``self.optimizer``: DeepSpeed's, or the DDP path's) clears
+        vals = frozenset(v for v in vals if not (isinstance(v, Optim) and v.managed))
+        if not any(isinstance(v, Optim) for v in vals):
+            return
+        prepared = False
     if fr.module.linted:
         site = site_of(fr.module, node)
         flow.records.node(site, fr.module, node)
