@@ -10,6 +10,7 @@ values on different paths is each of them on its own path.
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD, FABRIC_REDIRECTED,  # noqa: F401
@@ -358,7 +359,12 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
                                                      for b in flow.project.external_bases(v.cls)):
             # ``criterion(logits, target)`` on a project ``nn.Module``: its ``forward`` runs
             # (``AccumulationScaledLoss.forward`` returning ``self.base(...) / self.accum_steps``)
+            # (only one that divides by a number of micro-steps: a loss module's own means,
+            # ``sum(nll) / batch_size``, are not the window's, and its other code is not a micro-step's)
             method = flow.project.attribute(v.cls, "forward")
+            if isinstance(method, Function) and _divides_by_a_count(method):
+                return _call_target(flow, node, Bound(method, v), recv, args, kws, st, fr)
+            return None
         if not isinstance(method, Function):
             return None
         fn, receiver = method, v
@@ -383,6 +389,15 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         return _val(flow.values.call_returns(fn, receiver, site_of(fr.module, node)), prov,
                     flow.program.returns_scaled(fn))
     return result
+
+
+_COUNT_DIVISOR = re.compile(r"accum|grad_acc|update_freq|micro|steps|n_acc|num_acc|gas\b|iters", re.I)
+
+
+def _divides_by_a_count(fn) -> bool:
+    """Does a loss module's ``forward`` divide by a number of micro-steps (``/ self.accum_steps``)?"""
+    return any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and _COUNT_DIVISOR.search(ast.unparse(n.right))
+               for n in ast.walk(fn.node))
 
 
 def _lambda_named(flow, func, fr) -> Optional[ast.Lambda]:

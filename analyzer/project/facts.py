@@ -487,9 +487,14 @@ def _wiped_every_turn(flow, pop) -> Optional[tuple]:
     micro-step's gradients, the last one's included, are wiped in their own turn, and the step comes
     after the loop, on nothing. (at_boundary "all")"""
     wipes = [r for r in pop.late_wipes if r[0].site is not None]
-    if not wipes or not any(_outside(flow, s, pop.loop) and flow.records.loops_at.get(s) for s in flow.records.reach):
+    if not wipes:
         return None
     token, kind, resolver, across, guard = sorted(wipes, key=repr)[0]
+    # the step in a loop around this one (after it, in the same turn): not a later, separate loop's
+    around = set(flow.records.loops_at.get(resolver, ())) - {pop.loop}
+    if not any(_outside(flow, s, pop.loop) and flow.records.loops_at.get(s) and
+               set(flow.records.loops_at[s]) <= around for s in flow.records.reach):
+        return None
     return resolver, token, pop, 0, "all"
 
 

@@ -327,6 +327,14 @@ class Flow(Branches, Loops):
                         site = site_of(caller_module, call)
                         self.records.node(site, caller_module, call)
                         return site
+                best = enclosing_function(module, node)
+                if best is not None and _loss_is_a_parameter(node, best):
+                    # a shared helper handed the loop's loss (an optimizer wrapper's ``backward(loss)``):
+                    # the micro-step is the context file's, and so is the finding (not reported here)
+                    for caller_module, call in self.call_stack[depth:]:
+                        site = site_of(caller_module, call)
+                        self.records.node(site, caller_module, call)
+                        return site
             elif module is not loop_module and not self._holds_the_micro_step(module, node):
                 for caller_module, call in reversed(self.call_stack[depth:]):
                     if caller_module is loop_module:
