@@ -300,6 +300,12 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
             known = self._type_test(node.test, scope)
             if known is not None:
                 return self.expr(node.body if known else node.orelse, scope)
+            unwrapped = _unwrapping(node)
+            if unwrapped is not None:
+                # ``model.module if is_parallel(model) else model`` (YOLO's de_parallel): the module
+                # inside where it is a wrapper, the model itself where it is not: never the wrapper
+                return frozenset(Inner(v) if isinstance(v, Wrapper) and v.kind in ("ddp", "fsdp", "dp") else v
+                                 for v in self.expr(unwrapped, scope))
             return self.expr(node.body, scope) | self.expr(node.orelse, scope)
         if t is ast.BoolOp:
             return frozenset().union(*(self.expr(v, scope) for v in node.values))
@@ -390,3 +396,14 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
                     out.add(UNKNOWN)
             values = frozenset(out)
         return values
+
+
+def _unwrapping(node: ast.IfExp):
+    """The name of ``x.module if <test of x> else x`` (either way round), or None."""
+    for inside, plain in ((node.body, node.orelse), (node.orelse, node.body)):
+        if isinstance(inside, ast.Attribute) and inside.attr == "module" and isinstance(plain, ast.Name) and \
+                isinstance(inside.value, ast.Name) and inside.value.id == plain.id and \
+                any(isinstance(n, ast.Name) and n.id == plain.id for n in ast.walk(node.test)):
+            return plain
+    return None
+
