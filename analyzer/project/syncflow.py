@@ -178,7 +178,17 @@ class Flow(Branches, Loops):
         if t is ast.If:
             return self.if_(s, st, fr)
         if t in (ast.For, ast.AsyncFor, ast.While):
-            return self.loop(s, st, fr)
+            held = self._generator_context(s, fr) if t is not ast.While else None
+            if held is None:
+                return self.loop(s, st, fr)
+            # ``for _ in accumulate_contexts(n, model):`` over a generator that yields inside ``with
+            # ctx():`` (``model.no_sync`` on all turns but the last): each turn runs in a context we do
+            # not follow turn by turn, so its micro-steps get no verdict rather than a wrong one
+            from synccheck.analyzer.project.sync_control import pop_controls, push_controls
+            push_controls(self, s.iter, held, st, fr, id(s))
+            out = self.loop(s, st, fr)
+            pop_controls(out, id(s))
+            return out
         if t in (ast.With, ast.AsyncWith):
             return events.with_(self, s, st, fr)
         if t is ast.Return:
@@ -311,6 +321,26 @@ class Flow(Branches, Loops):
     # -- expressions ---------------------------------------------------------------------------------
     def expr(self, node, st: St, fr: Frame) -> EnvVal:
         return events.expr(self, node, st, fr)
+
+    def _generator_context(self, s, fr):
+        """An unknown sync control for a ``for`` over a project generator that yields inside a ``with``
+        and says ``no_sync``; None for any other loop."""
+        it = s.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, (ast.Name, ast.Attribute))):
+            return None
+        targets = self.program.syntactic_targets(it, fr.scope) or []
+        for fn in targets:
+            if not isinstance(fn, Function) or not self.values.info(fn).has_yield:
+                continue
+            text = fn.module.segment(fn.node) or ""
+            if "sync" not in text:
+                continue
+            if any(isinstance(w, (ast.With, ast.AsyncWith)) and any(isinstance(n, (ast.Yield, ast.YieldFrom))
+                                                                    for n in ast.walk(w))
+                   for w in ast.walk(fn.node)):
+                from synccheck.analyzer.project.events import FlowCtx, _text, _val
+                return _val(frozenset((FlowCtx("unknown", frozenset(), site_of(fr.module, it), _text(fr, it)),)))
+        return None
 
     def report_site(self, module, node):
         """Where to report an event that happened in a callee: the call, in the file of the loop that
