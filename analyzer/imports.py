@@ -370,30 +370,54 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
     stem = os.path.splitext(os.path.basename(path))[0]
     if stem == "__init__":
         stem = os.path.basename(here)
-    stems = (stem,)
-    if os.path.basename(path) != "__init__.py" and _reexported(here, stem):
-        # ``from lib.train.trainers import LTRTrainer`` where the package's __init__ re-exports it
-        stems += (os.path.basename(here),)
     near = list(dict.fromkeys([here] + _package_roots(here)[:1] + [os.path.dirname(here)]))
-    found = _importers_in(near, stems, path, linted, limit)
+    found = _importers_in(near, (stem,), path, linted, limit)
     top = _project_top(here)
+    folders = []
     if top is not None:
         # nearest in the tree first: ``src/pkg/pipeline/`` before ``examples/*/`` for ``src/pkg/utils/x.py``
         here_parts = here.split(os.sep)
         folders = list(islice(_project_folders(top, set(near)), MAX_FAR_FOLDERS))
         folders.sort(key=lambda d: -_shared_parts(here_parts, d.split(os.sep)))
-        found += _importers_in(folders, stems, path, linted, limit)[:MAX_FAR_IMPORTERS]
+        found += _importers_in(folders, (stem,), path, linted, limit)[:MAX_FAR_IMPORTERS]
+    names = _reexported(here, stem) if os.path.basename(path) != "__init__.py" else ()
+    init = os.path.join(here, "__init__.py")
+    if names and not [f for f in found if f != init]:
+        # ``from lib.train.trainers import LTRTrainer`` where the package's __init__ re-exports it: only
+        # when nothing imports the module itself, and the few nearest that name what it re-exports
+        package = (os.path.basename(here),)
+        says = [n.encode() for n in names]
+        for directories in (near, folders):
+            found += [f for f in _importers_in(directories, package, path, linted, limit)
+                      if f not in found and _mentions(f, says)][:max(0, MAX_REEXPORT_IMPORTERS + 1 - len(found))]
     return found
 
 
-def _reexported(folder: str, stem: str) -> bool:
-    """Does ``folder/__init__.py`` import from its module ``stem`` (``from .ltr_trainer import X``)?"""
+MAX_REEXPORT_IMPORTERS = 2
+
+
+def _reexported(folder: str, stem: str) -> tuple:
+    """The names ``folder/__init__.py`` imports from its module ``stem`` (``from .ltr_trainer import
+    LTRTrainer``); () when it imports none."""
     try:
         with open(os.path.join(folder, "__init__.py"), "rb") as fh:
             data = fh.read(200_000)
     except OSError:
+        return ()
+    found = re.search(rb"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem.encode()) + rb"[ \t]+import[ \t]+\(?([\w, \t\r\n]+)",
+                      data, re.M)
+    if found is None:
+        return ()
+    return tuple(w.decode() for w in re.findall(rb"\w+", found.group(1)) if w != b"as")
+
+
+def _mentions(path: str, words: list) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(1_000_000)
+    except OSError:
         return False
-    return bool(re.search(rb"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem.encode()) + rb"[ \t]+import\b", data, re.M))
+    return any(w in data for w in words)
 
 
 MAX_FAR_FOLDERS = 2000

@@ -180,6 +180,22 @@ def site_of(module: Module, node, extra=None) -> tuple:
 def _cap(values) -> frozenset:
     values = frozenset(values)
     if len(values) > MAX_VALUES:
-        keep = sorted(values, key=lambda v: (isinstance(v, (Obj, Unknown, Const)), repr(v)))[:MAX_VALUES]
+        keep = sorted(values, key=lambda v: (isinstance(v, (Obj, Unknown, Const)), _order(v, 3)))[:MAX_VALUES]
         return frozenset(keep)
     return values
+
+
+def _order(v, depth: int) -> str:
+    """A value's words for a stable order, to a bounded depth (the whole repr of values nested in
+    values grows without bound: Megatron's schedules held attributes of attributes 15 deep)."""
+    if isinstance(v, tuple) and hasattr(v, "_fields"):
+        if depth <= 0:
+            return type(v).__name__
+        return type(v).__name__ + "(" + ",".join(_order(x, depth - 1) for x in v) + ")"
+    if isinstance(v, (frozenset, set, tuple, list)):
+        if depth <= 0:
+            return f"[{len(v)}]"
+        parts = sorted(_order(x, depth - 1) for x in v)
+        return "[" + ",".join(parts[:8]) + (f",+{len(parts) - 8}" if len(parts) > 8 else "") + "]"
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200]
