@@ -299,10 +299,11 @@ def unsynced_steps(flow) -> list:
                 found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=switches), False)
                 if found is not None:
                     pop.switches = switches
-        if found is None and not pop.gate:
+        if found is None and not pop.gate and not any(across for _, kind, _, across, _ in pop.records if kind == "stepped"):
             # no accumulation: the optimizer steps after every batch, but sync is off on every N-1 of
             # N (``no_sync() if (step + 1) % interval != 0``, a "sync every N batches" option without
-            # any averaging of the parameters): those steps apply each rank's own gradients
+            # any averaging of the parameters): those steps apply each rank's own gradients. (Every
+            # micro-step is stepped in its own iteration: none waits for a later one's step.)
             periodic = [a.index for a in flow.atoms.atoms if a.mod is not None]
             if periodic:
                 found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=periodic), False)
