@@ -355,8 +355,10 @@ def _has_epoch_loop(program) -> bool:
 def _refills_an_iterator(loop) -> bool:
     """``except StopIteration: data_iter = iter(train_loader)`` inside an iteration-based loop: each new
     pass over the data is an epoch."""
+    # (or ``while True: yield from loader``, an endless generator of batches: each pass is an epoch)
     return any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
-               and n.value.func.id == "iter" and n.value.args for n in walk(loop))
+               and n.value.func.id == "iter" and n.value.args or isinstance(loop, ast.While) and isinstance(n, ast.YieldFrom)
+               for n in walk(loop))
 
 
 def _counts(loop, module) -> bool:
