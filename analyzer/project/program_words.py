@@ -210,16 +210,21 @@ def _returned_classes(project, fn) -> list:
     (``return YoloTrainer(args)``) or bound to the name it returns; none for anything but a function."""
     if not isinstance(fn, Function):
         return []
+    cache = project.__dict__.setdefault("_returned_classes", {})     # (read once per function)
+    if fn.uid in cache:
+        return cache[fn.uid]
     out = []
     returned = set()        # ``model = SRModel(opt)`` (in each branch) then ``return model``
-    made = []
+    made, calls = [], []
     for node in _walk_no_defs(fn.node):
-        if isinstance(node, ast.Return) and isinstance(node.value, ast.Name):
-            returned.add(node.value.id)
+        if isinstance(node, ast.Return):
+            calls.append(node.value)
+            if isinstance(node.value, ast.Name):
+                returned.add(node.value.id)
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             made.append((node.targets[0].id, node.value))
-    calls = [node.value for node in _walk_no_defs(fn.node) if isinstance(node, ast.Return)]
     calls += [value for name, value in made if name in returned]
+    cache[fn.uid] = out
     for call in calls:
         if isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute)):
             sym = project.resolve_expr(fn.module, call.func)

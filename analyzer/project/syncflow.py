@@ -328,6 +328,13 @@ class Flow(Branches, Loops):
         it = s.iter
         if not (isinstance(it, ast.Call) and isinstance(it.func, (ast.Name, ast.Attribute))):
             return None
+        key = ("generator context", id(s))
+        if key in self.memo:
+            return self.memo[key]
+        self.memo[key] = found = self._find_generator_context(s, it, fr)
+        return found
+
+    def _find_generator_context(self, s, it, fr):
         targets = self.program.syntactic_targets(it, fr.scope) or []
         for fn in targets:
             if not isinstance(fn, Function) or not self.values.info(fn).has_yield:
