@@ -388,8 +388,9 @@ def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> l
         package = (os.path.basename(here),)
         says = [n.encode() for n in names]
         for directories in (near, folders):
-            found += [f for f in _importers_in(directories, package, path, linted, limit)
-                      if f not in found and _mentions(f, says)][:max(0, MAX_REEXPORT_IMPORTERS + 1 - len(found))]
+            found += [f for f in _importers_in(directories, package, path, linted, limit,
+                                               also=lambda data: any(w in data for w in says))
+                      if f not in found][:max(0, MAX_REEXPORT_IMPORTERS + 1 - len(found))]
     return found
 
 
@@ -399,25 +400,12 @@ MAX_REEXPORT_IMPORTERS = 2
 def _reexported(folder: str, stem: str) -> tuple:
     """The names ``folder/__init__.py`` imports from its module ``stem`` (``from .ltr_trainer import
     LTRTrainer``); () when it imports none."""
-    try:
-        with open(os.path.join(folder, "__init__.py"), "rb") as fh:
-            data = fh.read(200_000)
-    except OSError:
-        return ()
-    found = re.search(rb"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem.encode()) + rb"[ \t]+import[ \t]+\(?([\w, \t\r\n]+)",
-                      data, re.M)
+    text = _read(os.path.join(folder, "__init__.py"))
+    found = re.search(r"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem) + r"[ \t]+import[ \t]+\(?([\w, \t\r\n]+)",
+                      text, re.M) if text else None
     if found is None:
         return ()
-    return tuple(w.decode() for w in re.findall(rb"\w+", found.group(1)) if w != b"as")
-
-
-def _mentions(path: str, words: list) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(1_000_000)
-    except OSError:
-        return False
-    return any(w in data for w in words)
+    return tuple(w for w in re.findall(r"\w+", found.group(1)) if w != "as")
 
 
 MAX_FAR_FOLDERS = 2000
@@ -462,11 +450,13 @@ def _shared_parts(a: list, b: list) -> int:
     return n
 
 
-def _importers_in(directories, stems: tuple, path: str, linted: set, limit: int) -> list:
+def _importers_in(directories, stems: tuple, path: str, linted: set, limit: int, also=None) -> list:
+    """The files that import a module whose last name is one of ``stems`` (and of whose bytes
+    ``also`` holds, when given)."""
     words = [stem.encode() for stem in stems]
 
     def imports_it(data: bytes) -> bool:
-        return any(word in data for word in words) and \
+        return any(word in data for word in words) and (also is None or also(data)) and \
             any(mod.rsplit(".", 1)[-1] in stems for level, mod in imported_names(data))
     return _files_saying(directories, imports_it, path, linted, limit)
 
