@@ -291,27 +291,33 @@ def unsynced_steps(flow) -> list:
         if not pop.data_parallel:
             continue
         found = _unsynced_group(flow, pop, pop.groups(("stepped",)), True)
-        if found is None:
-            # ``no_sync() if args.grad_accum > 1 else nullcontext()``: where the run accumulates, every
-            # boundary is unsynced (with one micro-step per step there is nothing to get wrong)
-            switches = _accumulation_switches(flow, pop)
-            if switches:
-                found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=switches), False)
-                if found is not None:
-                    pop.switches = switches
-        if found is None and not pop.gate and not any(across for _, kind, _, across, _ in pop.records if kind == "stepped"):
-            # no accumulation: the optimizer steps after every batch, but sync is off on every N-1 of
-            # N (``no_sync() if (step + 1) % interval != 0``, a "sync every N batches" option without
-            # any averaging of the parameters): those steps apply each rank's own gradients. (Every
-            # micro-step is stepped in its own iteration: none waits for a later one's step.)
-            periodic = [a.index for a in flow.atoms.atoms if a.mod is not None]
-            if periodic:
-                found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=periodic), False)
-                if found is not None:
-                    pop.switches = periodic
+        for switches in _unsynced_splits(flow, pop):
+            if found is not None:
+                break
+            found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=switches), False)
+            if found is not None:
+                pop.switches = switches
         if found is not None:
             out.append(found)
     return out
+
+
+def _unsynced_splits(flow, pop):
+    """More atoms to tell the step's outcomes apart by, tried in turn when the gate alone finds no
+    unsynced boundary."""
+    # ``no_sync() if args.grad_accum > 1 else nullcontext()``: where the run accumulates, every
+    # boundary is unsynced (with one micro-step per step there is nothing to get wrong)
+    switches = _accumulation_switches(flow, pop)
+    if switches:
+        yield switches
+    if not pop.gate and not any(across for _, kind, _, across, _ in pop.records if kind == "stepped"):
+        # no accumulation: the optimizer steps after every batch, but sync is off on every N-1 of
+        # N (``no_sync() if (step + 1) % interval != 0``, a "sync every N batches" option without
+        # any averaging of the parameters): those steps apply each rank's own gradients. (Every
+        # micro-step is stepped in its own iteration: none waits for a later one's step.)
+        periodic = [a.index for a in flow.atoms.atoms if a.mod is not None]
+        if periodic:
+            yield periodic
 
 
 def _unsynced_group(flow, pop, groups: dict, by_gate: bool) -> Optional[tuple]:
@@ -333,15 +339,21 @@ def _accumulation_switches(flow, pop) -> list:
     not change: they hold all run."""
     from synccheck.analyzer.project.branches import _COUNT_WORDS
     out = []
-    for atom in flow.atoms.atoms:
-        if atom.index in pop.gate or atom.mod is not None or atom.loop is not None or atom.first is not None:
-            continue
-        versions, volatile = flow.atom_info.get(atom.index, ((), True))
+    for atom, volatile in _plain_atoms(flow, pop):
         # (a test in a method the loop calls reads the caller's objects: ``self.accum > 1`` holds all run)
         stable = not volatile or (isinstance(atom.key, tuple) and atom.key[:1] == ("STABLE",))
         if stable and _COUNT_WORDS.search(atom.text) and _ACCUMULATES.match(atom.text):
             out.append(atom.index)
     return out
+
+
+def _plain_atoms(flow, pop):
+    """(atom, volatile) for the atoms of plain tests: not the gate's, not a mod form, a loop's last
+    turn or a first-iteration test."""
+    for atom in flow.atoms.atoms:
+        if atom.index in pop.gate or atom.mod is not None or atom.loop is not None or atom.first is not None:
+            continue
+        yield atom, flow.atom_info.get(atom.index, ((), True))[1]
 
 
 def _synced_on_last_only(pop, group: int) -> bool:
@@ -411,10 +423,7 @@ def _run_switches(flow, pop) -> list:
     from synccheck.analyzer.project.branches import _COUNT_WORDS
     from synccheck.analyzer.project.rank_tests import DISTRIBUTED_TEST, RANK_NAME
     out = []
-    for atom in flow.atoms.atoms:
-        if atom.index in pop.gate or atom.mod is not None or atom.loop is not None or atom.first is not None:
-            continue
-        versions, volatile = flow.atom_info.get(atom.index, ((), True))
+    for atom, volatile in _plain_atoms(flow, pop):
         if volatile or _COUNT_WORDS.search(atom.text) or RANK_NAME.search(atom.text) or \
                 DISTRIBUTED_TEST.search(atom.text) or _WRAPPER_WORDS.search(atom.text) or "(" in atom.text:
             continue
