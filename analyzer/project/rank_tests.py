@@ -59,7 +59,9 @@ class RankTests:
             on_false = _agree(falses) if all(f is not None for f in falses) else None
             if isinstance(test.op, ast.Or):
                 on_true, on_false = on_false, on_true
-            if "main" not in (on_true, on_false) and "other" not in (on_true, on_false):
+            if not {"main", "other", "single"} & {on_true, on_false}:
+                # (``local_rank == -1 and evaluate_during_training``: still a test of a job that is
+                # not distributed, which a rank branch around it must see)
                 return None, None
             return on_true, on_false
         if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot)) and \
