@@ -25,7 +25,8 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     if fn.abstract:
         return None         # a hook that subclasses fill: the base's raise is not what runs
     carries = any(a.prov or flow.program.wrappers(a.values)
-                  for a in list(args) + list(kws.values()) + list((seed or {}).values()))
+                  for a in list(args) + list(kws.values()) + list((seed or {}).values())) or \
+        (receiver is not None and bool(flow.program.wrappers(frozenset((receiver,)))))
     if yield_handler is None and (fn.uid in fr.stack or fr.depth >= 8 or flow.values.info(fn).has_yield):
         return None
     if yield_handler is None and not carries and not _worth_inlining(flow, fn, receiver, args, kws):

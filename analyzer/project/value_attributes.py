@@ -45,7 +45,7 @@ class AttributeValues:
                     out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
                     self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
                 else:
-                    out.add(UNKNOWN)
+                    out |= self._subclass_method(v, attr)
             elif isinstance(v, Loader) and attr in _LOADER_SAMPLERS:
                 out |= self.loader_samplers(v, attr)
             elif isinstance(v, Sampler) and attr == "sampler":
@@ -56,6 +56,16 @@ class AttributeValues:
             else:
                 out.add(UNKNOWN)
         return frozenset(out)
+
+    def _subclass_method(self, wrapper: Wrapper, attr: str) -> frozenset:
+        """``model.loss(x)`` on a project subclass of DDP that defines ``loss`` (``return self(x, ...)``):
+        that method, run on the wrapper itself."""
+        if wrapper.cls is None or attr.startswith("__"):
+            return ONE_UNKNOWN
+        method = self.project.attribute(wrapper.cls, attr)
+        if isinstance(method, Function) and not method.is_property:
+            return frozenset((Bound(method, wrapper),))
+        return ONE_UNKNOWN
 
     def super_attribute(self, sup: Super, attr: str) -> frozenset:
         """``super().compute_loss`` in a mixin: the method after the mixin in the MRO of the instance's

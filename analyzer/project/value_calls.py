@@ -162,7 +162,7 @@ class CallValues:
                 kind = vocab.wrapper_kind(base)
                 if kind:
                     self.sites[site] = (call.args[0] if call.args else None, scope)
-                    return frozenset((Wrapper(kind, site),))
+                    return frozenset((Wrapper(kind, site, cls=callee.cls),))
                 if vocab.is_optimizer_class(base) and base.startswith("torch.optim"):
                     self.sites[site] = (call.args[0] if call.args else None, scope)
                     return frozenset((Optim(site),))

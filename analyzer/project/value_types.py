@@ -34,6 +34,7 @@ class Wrapper(NamedTuple):
     static_graph: bool = False
     single: bool = False      # Fabric(devices=1): one process, nothing to synchronize
     sharded: bool = False     # Fabric(strategy="fsdp"): its sync switch is read in the backward, as FSDP's
+    cls: object = None        # a project subclass (``class DetectorDDP(DDP)``): its own methods
 
 
 class Obj(NamedTuple):
