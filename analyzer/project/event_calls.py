@@ -237,11 +237,10 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
-    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws and (
-            args[0].scaled is not None or not args[0].prov):
-        # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided
-        # or not as the loss was, or not known when nothing says where it came from (a parameter of a
-        # function nobody in view calls). A model's output of unknown scaling is a fresh loss.
+    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws:
+        # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided,
+        # not divided or not known (a parameter of a function nobody in view calls; what a helper
+        # handed the count of micro-steps made) as the loss was
         scaled = args[0].scaled
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
 
@@ -383,6 +382,8 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
     result = inline(flow, fn, node, receiver, args, kws, st, fr)
     if isinstance(v, Cls):
         return _val(frozenset((Inst(v.cls),)))
+    if result is not None and not result.scaled and flow.program.scaled_through_items(fn):
+        result = result._replace(scaled=True)
     if result is None:
         # not worth following (no event, no model passed in): what it returns, and whether it divides
         prov = _prov(*args, *kws.values())

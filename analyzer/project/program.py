@@ -217,22 +217,51 @@ class Program(Words, WrappedModels):
 
     def returns_scaled(self, fn: Function) -> Optional[bool]:
         """Does what ``fn`` returns go through a division or multiplication (``return loss / accum``)?"""
+        return self._scaled_returns(fn)[0]
+
+    def scaled_through_items(self, fn: Function) -> bool:
+        """Is what ``fn`` returns divided only in the entries of a container it sums (mmf's
+        ``report.losses[key] = value.mean() / divisor`` then ``sum(... for l in loss_dict.values())``,
+        ``loss_dict`` being ``report.losses``)? The walk of the function in place does not follow
+        stores into a subscript of an attribute."""
+        return self._scaled_returns(fn)[1]
+
+    def _scaled_returns(self, fn: Function) -> tuple:
         key = ("scaled", fn.uid)
         if key not in self._words:
             info = self.values.info(fn)
-            self._words[key] = None
-            found = False
-            todo, seen = list(info.returns), set()
+            self._words[key] = (None, False)
+            found, through_items = False, False
+            items = _item_stores(fn.node)
+            todo, seen = [(e, False) for e in info.returns], set()
             while todo:
-                expr = todo.pop()
+                expr, via_items = todo.pop()
                 for node in walk(expr):
                     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
                         found = True
-                    elif isinstance(node, ast.Name) and node.id not in seen:
-                        seen.add(node.id)
-                        todo.extend(value for value, _ in info.assigns.get(node.id, ()))
-            self._words[key] = found
+                        through_items = through_items or via_items
+                    elif isinstance(node, (ast.Name, ast.Attribute)):
+                        text = ast.unparse(node) if isinstance(node, ast.Attribute) else node.id
+                        if text in seen:
+                            continue
+                        seen.add(text)
+                        if isinstance(node, ast.Name):
+                            todo.extend((value, via_items) for value, _ in info.assigns.get(node.id, ()))
+                        todo.extend((value, True) for value in items.get(text, ()))
+            self._words[key] = (found, found and through_items and not self._scaled_without_items(info))
         return self._words[key]
+
+    @staticmethod
+    def _scaled_without_items(info) -> bool:
+        todo, seen = list(info.returns), set()
+        while todo:
+            for node in walk(todo.pop()):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+                    return True
+                if isinstance(node, ast.Name) and node.id not in seen:
+                    seen.add(node.id)
+                    todo.extend(value for value, _ in info.assigns.get(node.id, ()))
+        return False
 
     # words that are no event by themselves: a call of a value (maybe a model), a way out, a wrapper made
     CALLS_ONLY = frozenset(("call", "exit", "wrap"))
@@ -313,3 +342,14 @@ def lightning_manual_step(fn, segment: str) -> bool:
     ``opt.step()`` every few batches)."""
     return fn.node.name == "training_step" and fn.cls is not None and "manual_backward(" in segment and \
         "automatic_optimization" in fn.module.segment(fn.cls.node) and len(fn.params) >= 3
+
+
+def _item_stores(fn_node) -> dict:
+    """``base[key] = value`` in a function, by the text of ``base``: ``{"report.losses": [value]}``."""
+    out: dict = {}
+    for node in walk_no_defs(fn_node):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, (ast.Name, ast.Attribute)):
+                    out.setdefault(ast.unparse(target.value), []).append(node.value)
+    return out
