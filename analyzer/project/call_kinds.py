@@ -38,10 +38,29 @@ def forward_dispatch(flow, targets, args, kws) -> bool:
     return True
 
 
-def sum_reduced(node) -> bool:
-    """``F.cross_entropy(..., reduction="sum")``: a loss summed over its examples."""
-    return isinstance(node, ast.Call) and any(
-        kw.arg == "reduction" and isinstance(kw.value, ast.Constant) and kw.value.value == "sum" for kw in node.keywords)
+def sum_reduced(node, defaults=None) -> bool:
+    """``F.cross_entropy(..., reduction="sum")``: a loss summed over its examples. ``defaults``: the
+    literal defaults of the enclosing function's parameters (``reduction=reduction`` with
+    ``def forward(self, x, reduction="sum")``)."""
+    if not isinstance(node, ast.Call):
+        return False
+    for kw in node.keywords:
+        if kw.arg != "reduction":
+            continue
+        value = kw.value
+        if isinstance(value, ast.Name) and defaults:
+            value = defaults.get(value.id, value)
+        return isinstance(value, ast.Constant) and value.value == "sum"
+    return False
+
+
+def literal_defaults(fn_node) -> dict:
+    """A function's parameters with a literal default: name -> the ``ast.Constant``."""
+    args = fn_node.args
+    positional = args.posonlyargs + args.args
+    pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults)) + \
+        [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+    return {a.arg: d for a, d in pairs if isinstance(d, ast.Constant)}
 
 
 def sum_criterion(flow, func, scope) -> bool:

@@ -119,7 +119,7 @@ def _sums_its_loss(program, model, info) -> bool:
     """Does the forward of the model that made this loss return a loss reduced by sum
     (``return F.cross_entropy(logits, targets, reduction="sum")``)? Its micro-steps' gradients then add
     up to the whole batch's, the convention of a sum loss: no 1/N is missing."""
-    from synccheck.analyzer.project.call_kinds import sum_reduced
+    from synccheck.analyzer.project.call_kinds import literal_defaults, sum_reduced
     from synccheck.analyzer.project.index import Function
     from synccheck.analyzer.project.value_types import Inst, Obj, Wrapper
     candidates = set()
@@ -138,13 +138,20 @@ def _sums_its_loss(program, model, info) -> bool:
         forward = program.project.attribute(cls, "forward")
         if not isinstance(forward, Function):
             continue
+        # (a name given a summed loss, or one added to it: ``total_loss += F.cross_entropy(...,
+        # reduction=reduction)`` with ``reduction="sum"`` the default, returned in a tuple: vall-e)
+        defaults = literal_defaults(forward.node)
         summed = set()
-        for node in ast.walk(forward.node):
-            if isinstance(node, ast.Assign) and sum_reduced(node.value):
-                summed.update(t.id for t in node.targets if isinstance(t, ast.Name))
-            if isinstance(node, ast.Return) and node.value is not None and (
-                    sum_reduced(node.value) or isinstance(node.value, ast.Name) and node.value.id in summed):
-                return True
+        nodes = list(ast.walk(forward.node))
+        for node in nodes:
+            if isinstance(node, (ast.Assign, ast.AugAssign)) and sum_reduced(node.value, defaults):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                summed.update(t.id for t in targets if isinstance(t, ast.Name))
+        for node in nodes:
+            if isinstance(node, ast.Return) and node.value is not None:
+                parts = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                if any(sum_reduced(p, defaults) or isinstance(p, ast.Name) and p.id in summed for p in parts):
+                    return True
     return False
 
 
