@@ -325,6 +325,13 @@ class _RankChecker(RankTests):
         for stmt in stmts:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
+            if isinstance(stmt, ast.If) and "single" in self._sides(stmt.test, fn, 0):
+                # ``if not ddp: value = gather(value)`` with ``ddp = bool(world_size)``: that side runs in
+                # a job that is not distributed, where no collective can hang (as ``walk`` reads it)
+                single = self._sides(stmt.test, fn, 0)[0] == "single"
+                self._runs_calls(stmt.test, fn, binding, out)
+                self._runs_in(stmt.orelse if single else stmt.body, fn, binding, out)
+                continue
             if isinstance(stmt, ast.If) and not stmt.orelse and _fallback_test(stmt.test, fn):
                 # ``dir_name = None; for h in handlers: ... dir_name = ...; if dir_name is None:
                 # dir_name = get_local_time()``: a fallback for when the search found nothing, which

@@ -73,11 +73,14 @@ class RankTests:
                 return (on_true, on_false) if isinstance(test.ops[0], ast.IsNot) else (on_false, on_true)
         if isinstance(test, ast.Name) and not _main_name(test.id):
             value, where = self._bound(test, scope)
-            if value is not None:
-                return self._sides(value, where, depth + 1)
-            made = self._none_unless(test, scope, depth)
-            if made is not None:
-                return self._sides(made[0], made[1], depth + 1)
+            read = self._sides(value, where, depth + 1) if value is not None else (None, None)
+            if read == (None, None):
+                made = self._none_unless(test, scope, depth)
+                if made is not None:
+                    read = self._sides(made[0], made[1], depth + 1)
+            if read != (None, None):
+                return read
+            # (a parameter, ``if not world_size:``: its name may still say what it tests, below)
         if isinstance(test, ast.IfExp) and (_is_none(test.orelse) or _is_none(test.body)) and \
                 not (_is_none(test.orelse) and _is_none(test.body)):
             # ``if writer:`` with ``writer = SummaryWriter(...) if rank == 0 else None``: an object
@@ -91,7 +94,7 @@ class RankTests:
         if pol is not None:
             return pol, _flip(pol)
         if DISTRIBUTED_TEST.search(ast.unparse(test)):
-            return None, "single"
+            return _single_side(test)
         return None, None
 
     def polarity(self, test, scope, depth: int = 0) -> Optional[str]:
@@ -277,6 +280,22 @@ _NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: 
 def _main_name(text: str) -> bool:
     last = text.rsplit(".", 1)[-1].lower()
     return bool(RANK_NAME.search(last)) and any(w in last for w in MAIN_WORDS)
+
+
+def _single_side(test) -> tuple:
+    """The side of a test of the job (``args.distributed``, ``world_size > 1``) where it is not
+    distributed: the false one, but the true one of ``world_size is None``, ``world_size == 1``,
+    ``n_gpu < 2``."""
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant):
+        op, value = test.ops[0], test.comparators[0].value
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value in (0, 1)):
+            if isinstance(op, (ast.Is, ast.Eq)):
+                return "single", None
+            if isinstance(op, ast.LtE) and value == 1:
+                return "single", None
+        elif isinstance(op, ast.Lt) and value == 2:
+            return "single", None
+    return None, "single"
 
 
 def _agree(sides: list) -> Optional[str]:
