@@ -242,7 +242,10 @@ def expr(flow, node, st, fr) -> EnvVal:
             for cond in gen.ifs:
                 expr(flow, cond, st, fr)
         elt = expr(flow, node.elt, st, fr)
-        return _val(ONE_UNKNOWN, prov | elt.prov, elt.scaled)
+        # (a list of what each element is: ``[accelerator.prepare(m) for m in models]`` holds wrappers,
+        # whichever index picks one later)
+        made = flow.values.expr(node, fr.scope) if t is not ast.GeneratorExp else ONE_UNKNOWN
+        return _val(made, prov | elt.prov, elt.scaled)
     # comprehensions, dicts, f-strings, ...: their calls still happen; provenance is the union
     prov = frozenset()
     for sub in children(node):

@@ -14,7 +14,7 @@ import ast
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import _named, called_name
-from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Framework, Loader, Optim, Tup, Wrapper, site_of
+from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Bag, Framework, Loader, Optim, Tup, Wrapper, site_of
 
 
 class FrameworkValues:
@@ -29,6 +29,11 @@ class FrameworkValues:
             _deepspeed_only(scope) else "accelerate"
         for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
+            source = _comprehension_source(arg, scope)
+            if source is not None:
+                # ``[accelerator.prepare(o) for o in optimizers]``: each element is what the list held
+                arg = source
+                values = frozenset(x for v in self.expr(source, scope) if isinstance(v, Bag) for x in v.items) or values
             site = site_of(module, call, i)
             if attr == "prepare_optimizer" or any(isinstance(v, Optim) for v in values) or \
                     _named(arg, ("optim", "opt")):
@@ -199,3 +204,14 @@ def _harmless_use(stmt, name: str) -> bool:
         isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in ("prepare", "prepare_model")
     return all(id(n) in allowed or (prepared and isinstance(n.ctx, ast.Store))
                for n in walk_no_defs(stmt) if isinstance(n, ast.Name) and n.id == name)
+
+
+def _comprehension_source(arg, scope):
+    """The iterable of the comprehension of ``scope`` whose variable is ``arg`` (a name), or None."""
+    if not isinstance(arg, ast.Name) or not isinstance(scope, Function):
+        return None
+    for node in walk_no_defs(scope.node):
+        if isinstance(node, ast.comprehension) and isinstance(node.target, ast.Name) and \
+                node.target.id == arg.id and isinstance(node.iter, (ast.Name, ast.Attribute)):
+            return node.iter
+    return None
