@@ -157,8 +157,10 @@ def samplers_without_set_epoch(program) -> list:
         last = _last_name(call.func.value)
         if _DATASET.search(last) and "sampler" not in last.lower():
             continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
-        if never_runs(program, scope):
-            continue        # ``set_epoch`` in a hook nothing calls, or a hook class nothing registers
+        if never_runs(program, scope) and not any(isinstance(s, Function) and s.cls is scope.cls for *_, s in made):
+            # ``set_epoch`` in a hook nothing calls, or a hook class nothing registers (a class that
+            # makes its sampler and reseeds it is one piece: made by a script out of view, or by nobody)
+            continue
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
             once |= {v for v in receiver if isinstance(v, Sampler)}
