@@ -166,7 +166,8 @@ def _rank_branch_calls(text: str) -> bool:
     function of this file that runs one: cheap text, so files without one are never parsed."""
     runs = None
     for body in _rank_blocks(text):
-        if COLLECTIVE_CALL.search(body):
+        if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body:
+            # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers)
             return True
         lines = body.strip().splitlines()
         if lines and (lines[0].strip().startswith(_LEAVING) or lines[-1].strip().startswith(_LEAVING)):
