@@ -50,14 +50,15 @@ def known_bool(values, node, scope, depth: int = 0) -> Optional[bool]:
 
 
 def option_default(values, dest: str) -> Optional[bool]:
-    """The default of the argparse option stored under ``dest`` in the parsed modules of the project,
-    when they agree and say it (``action="store_false"``: True; ``default=True``); else None."""
+    """The default of the argparse option stored under ``dest`` in the parsed modules of the project
+    (or of the dataclass field, ``static_graph: bool = True`` in a ``@dataclass`` config), when they
+    agree and say it (``action="store_false"``: True; ``default=True``); else None."""
     table = getattr(values, "_option_defaults", None)
     if table is None:
         table = values._option_defaults = {}
     found = set()
     for module in list(values.project.by_path.values()):
-        if "add_argument" not in module.text:
+        if "add_argument" not in module.text and "dataclass" not in module.text:
             continue
         options = table.get(module.path)
         if options is None:
@@ -70,6 +71,13 @@ def option_default(values, dest: str) -> Optional[bool]:
 def _defaults(tree) -> dict:
     out: dict = {}
     for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            for stmt in node.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and \
+                        isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, bool):
+                    name = stmt.target.id
+                    out[name] = stmt.value.value if out.get(name, stmt.value.value) == stmt.value.value else None
+            continue
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
                 node.func.attr == "add_argument"):
             continue
