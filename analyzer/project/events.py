@@ -279,6 +279,10 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
                 value = value._replace(origin=origin)
         st.env[target.id] = _versioned(value, version)
     elif t in (ast.Tuple, ast.List):
+        # ``loss, datapoint_count = model.forward_loss(batch)``, ``loss, sample_size, log = criterion(...)``:
+        # a loss handed back with the count it is to be normalised by is a sum over those examples
+        # (flair, fairseq): whether and where 1/N comes in, the code after says, not this call
+        summed = _summed_with_its_count(target) if value.scaled is False else None
         for i, el in enumerate(target.elts):
             if isinstance(el, ast.Starred):
                 assign(flow, el.value, _val(ONE_UNKNOWN, value.prov), stmt, st, fr, version)
@@ -289,7 +293,8 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
                     picked |= v.items[i]
                 elif isinstance(v, Bag) and not v.keyed:
                     picked |= v.items        # unpacking a generator or list: one of its elements
-            assign(flow, el, _val(picked or ONE_UNKNOWN, value.prov, value.scaled), stmt, st, fr, version)
+            scaled = None if i == summed else value.scaled
+            assign(flow, el, _val(picked or ONE_UNKNOWN, value.prov, scaled), stmt, st, fr, version)
     elif t is ast.Attribute:
         if target.attr == "require_backward_grad_sync":
             recv = expr(flow, target.value, st, fr)
@@ -305,6 +310,19 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
         key = _item_key(target, st)
         if key is not None:
             st.env[key[0]] = _versioned(value, version)._replace(origin=("item of", key[1]))
+
+
+_COUNT_NAME = re.compile(r"count|sample_size|n_?tokens|num_tokens|n_?samples|num_samples|denom|normali[sz]|"
+                         r"n_items|num_items", re.I)
+
+
+def _summed_with_its_count(target) -> Optional[int]:
+    """The index of the loss in ``loss, datapoint_count = ...``, when another name is its count."""
+    names = [e.id if isinstance(e, ast.Name) else "" for e in target.elts]
+    losses = [i for i, n in enumerate(names) if "loss" in n.lower()]
+    if len(losses) == 1 and any(_COUNT_NAME.search(n) for n in names if "loss" not in n.lower()):
+        return losses[0]
+    return None
 
 
 def _property_test(flow, node, receivers, st, fr) -> Optional[EnvVal]:
