@@ -259,13 +259,19 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
     if attr in vocab.TENSOR_FUNCTIONS and recv.prov:
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), False)
+    scaled = True
+    if attr in ("mul", "mul_", "multiply") and len(args) == 1 and node.args and not isinstance(node.args[0], ast.Starred):
+        # ``loss.mul(loss_scaling)``: a weight, as ``loss * loss_scaling`` is (see ``weighted``)
+        product = weighted(recv, args[0], node.args[0], flow, fr)
+        scaled = True if product is _UNWEIGHTED else product
     if attr in ("div_", "mul_") and args and isinstance(node.func.value, ast.Name) and \
             node.func.value.id in st.env:
         # ``loss.div_(accum)``: the name itself now holds the divided loss
         name = node.func.value.id
-        st.env[name] = st.env[name]._replace(scaled=True)
-    if attr in ("div", "div_", "mul", "mul_", "true_divide", "divide") and (recv.prov or recv.scaled is not None):
-        return _val(ONE_UNKNOWN, recv.prov, True)          # ``loss.div(accum)``, the model's or not
+        st.env[name] = st.env[name]._replace(scaled=scaled)
+    if attr in ("div", "div_", "mul", "mul_", "multiply", "true_divide", "divide") and \
+            (recv.prov or recv.scaled is not None):
+        return _val(ONE_UNKNOWN, recv.prov, scaled)          # ``loss.div(accum)``, the model's or not
     if attr == "average_parameters" or (attr in vocab.GRAD_SYNC and not project_method):
         collective(flow, node, attr, st, fr)
         return NONE_VAL
