@@ -401,11 +401,19 @@ def _reexported(folder: str, stem: str) -> tuple:
     """The names ``folder/__init__.py`` imports from its module ``stem`` (``from .ltr_trainer import
     LTRTrainer``); () when it imports none."""
     text = _read(os.path.join(folder, "__init__.py"))
-    found = re.search(r"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem) + r"[ \t]+import[ \t]+\(?([\w, \t\r\n]+)",
+    found = re.search(r"^[ \t]*from[ \t]+\.[ \t]*" + re.escape(stem) + r"[ \t]+import[ \t]+\(?([\w, \t\r\n]+|\*)",
                       text, re.M) if text else None
     if found is None:
         return ()
+    if found.group(1) == "*":
+        # ``from .train_utils import *`` (nanoT5): the module's public functions and classes
+        module = _read(os.path.join(folder, stem + ".py")) or ""
+        return tuple(dict.fromkeys(n for n in _TOP_DEFINED.findall(module) if not n.startswith("_")))[:MAX_STAR_NAMES]
     return tuple(w for w in re.findall(r"\w+", found.group(1)) if w != "as")
+
+
+_TOP_DEFINED = re.compile(r"^(?:async[ \t]+)?(?:def|class)[ \t]+(\w+)", re.M)
+MAX_STAR_NAMES = 64
 
 
 MAX_FAR_FOLDERS = 2000

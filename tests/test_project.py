@@ -1392,6 +1392,51 @@ def test_a_trainer_imported_through_its_packages_reexport(tmp_path, paths):
     check_project(tmp_path, REEXPORTED_TRAINER, paths=paths)
 
 
+# the training function is re-exported by a star import (nanoT5: ``from .train_utils import *`` in
+# nanoT5/utils/__init__.py, ``from .utils import train`` in nanoT5/main.py)
+STAR_REEXPORTED_TRAIN = {
+    "setup.py": "",
+    "proj/__init__.py": "",
+    "proj/utils/__init__.py": """
+        from .model_utils import *
+        from .train_utils import *
+    """,
+    "proj/utils/model_utils.py": """
+        def get_model(name):
+            return name
+    """,
+    "proj/utils/train_utils.py": """
+        def _forward(model, batch):
+            return model(**batch).loss
+
+
+        def train(model, loader, optimizer, accelerator, grad_acc):
+            for batch_id, batch in enumerate(loader, start=1):
+                loss = _forward(model, batch)
+                accelerator.backward(loss / grad_acc)  # SC101
+                if batch_id % grad_acc == 0:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+    """,
+    "proj/main.py": """
+        from accelerate import Accelerator
+
+        from .utils import get_model, train
+
+
+        def main(cfg, loader, optimizer):
+            accelerator = Accelerator()
+            model, optimizer, loader = accelerator.prepare(get_model(cfg.model), optimizer, loader)
+            train(model, loader, optimizer, accelerator, cfg.grad_acc)
+    """,
+}
+
+
+@pytest.mark.parametrize("paths", [None, ["proj/utils/train_utils.py"]], ids=["folder", "single-file"])
+def test_a_training_function_reexported_by_a_star_import(tmp_path, paths):
+    check_project(tmp_path, STAR_REEXPORTED_TRAIN, paths=paths)
+
+
 # a callback of a library calls its hooks itself: the method's name appears nowhere else, and it runs
 LIBRARY_CALLBACK_SEEDS_THE_SAMPLER = {
     "callbacks.py": """
