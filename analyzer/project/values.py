@@ -219,7 +219,9 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
         if name in info.for_names:
             out |= self._iterated(name, info, module)
         sym = self.project.resolve(module, name) if not out else None
-        if sym is not None and not isinstance(sym, GlobalRef):
+        if sym is not None and not (isinstance(sym, GlobalRef) and (sym.module is module or not _a_registry(sym))):
+            # (a module-level variable imported from another module: only a registry of callables,
+            # ``from parallelize import PARALLELIZE``, is read there)
             out |= self.symbol(sym)
         if not out:
             # a builtin, or a name bound somewhere we cannot see (a notebook's other cell, exec):
@@ -407,3 +409,13 @@ def _unwrapping(node: ast.IfExp):
             return plain
     return None
 
+
+def _a_registry(ref) -> bool:
+    """Is the module-level variable ``ref`` bound to a dict literal whose values are all names
+    (``PARALLELIZE = {"llama": parallelize_llama}``)?"""
+    for stmt in ref.module.tree.body:
+        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == ref.name for t in stmt.targets):
+            value = stmt.value
+            return isinstance(value, ast.Dict) and bool(value.values) and \
+                all(isinstance(v, (ast.Name, ast.Attribute)) for v in value.values)
+    return False
