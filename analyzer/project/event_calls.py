@@ -87,9 +87,10 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     elif result.scaled is False and handed_the_accumulation_count(node) and \
             not flow.program.syntactic_targets(node, fr.scope):
         # ``batch.normalize(loss, n_accumulation=accum)`` on an object we cannot follow: handed the
-        # count of micro-steps with the loss, it may divide by it (joeynmt). A project function we
-        # follow says itself whether it does (``forward_loss(model, batch, accum)``)
-        result = result._replace(scaled=None)
+        # count of micro-steps with the loss, it may divide by it (joeynmt), and is taken to (so
+        # ``scaler.scale(...)`` of it is too). A project function we follow says itself whether it
+        # does (``forward_loss(model, batch, accum)``)
+        result = result._replace(scaled=True)
     return result
 
 
@@ -237,10 +238,11 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
-    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws:
-        # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided,
-        # not divided or not known (a parameter of a function nobody in view calls; what a helper
-        # handed the count of micro-steps made) as the loss was
+    if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws and (
+            args[0].scaled is not None or not args[0].prov):
+        # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided
+        # or not as the loss was, or not known when nothing says where it came from (a parameter of a
+        # function nobody in view calls). A model's output of unknown scaling is a fresh loss.
         scaled = args[0].scaled
     return _val(flow.values.expr(node, fr.scope), prov, scaled)
 
