@@ -233,7 +233,11 @@ def expr(flow, node, st, fr) -> EnvVal:
         entries = [expr(flow, v, st, fr) for v in node.values]
         fields = tuple((k.value, _cap(e.values)) for k, e in zip(node.keys, entries))
         items = frozenset().union(*(e.values for e in entries))
-        return _val(frozenset((Bag(_cap(items), True, fields),)), _prov(*entries))
+        # ``return {"loss": loss / accum, "rec": rec.detach()}``: the record is as divided as its loss
+        # (what ``out["loss"]`` reads back)
+        losses = {e.scaled for k, e in zip(node.keys, entries) if "loss" in k.value.lower() and e.prov}
+        return _val(frozenset((Bag(_cap(items), True, fields),)), _prov(*entries),
+                    losses.pop() if len(losses) == 1 else None)
     if t in (ast.GeneratorExp, ast.ListComp, ast.SetComp):
         # ``sum(loss_dict[k] / accum for k in loss_dict)``: each element's scaling is the whole's
         prov = frozenset()
