@@ -19,6 +19,7 @@ from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD
                                                    library_training_step, sets_sync_flag, sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
+from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Super, Unknown, Wrapper, site_of)
@@ -388,10 +389,29 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         result = result._replace(scaled=True)
     if result is None:
         # not worth following (no event, no model passed in): what it returns, and whether it divides
+        # (``def scale(self, loss): return loss``, a no-op scaler: as its argument was)
         prov = _prov(*args, *kws.values())
+        handed = _returned_argument(fn, receiver, args, kws)
         return _val(flow.values.call_returns(fn, receiver, site_of(fr.module, node)), prov,
-                    flow.program.returns_scaled(fn))
+                    handed.scaled if handed is not None else flow.program.returns_scaled(fn))
     return result
+
+
+def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
+    """The argument ``fn`` returns as it was handed (every ``return`` is that parameter), else None."""
+    returns = [n.value for n in walk_no_defs(fn.node) if isinstance(n, ast.Return)]
+    names = {r.id for r in returns if isinstance(r, ast.Name)}
+    if len(names) != 1 or len(returns) != len([r for r in returns if isinstance(r, ast.Name)]):
+        return None
+    (name,) = names
+    params = list(fn.params)
+    if receiver is not None and fn.is_method and params:
+        params = params[1:]
+    if name in kws:
+        return kws[name]
+    if name in params and params.index(name) < len(args):
+        return args[params.index(name)]
+    return None
 
 
 _COUNT_DIVISOR = re.compile(r"accum|grad_acc|update_freq|micro|steps|n_acc|num_acc|gas\b|iters", re.I)

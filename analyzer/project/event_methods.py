@@ -254,6 +254,9 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return _val(frozenset(Inner(w) if isinstance(w, Wrapper) else w for w in args[0].values))
     if attr in ("detach", "item", "tolist", "cpu", "numpy") and not program.wrappers(vals):
         return _val(ONE_UNKNOWN)
+    if attr in ("items", "values") and not args and recv.prov and not program.wrappers(vals):
+        # ``outputs.items()`` of a model's output (a dict of losses): its entries come from the forward
+        return _val(ONE_UNKNOWN, recv.prov, recv.scaled)
     if attr in vocab.TENSOR_PASSTHROUGH and recv.prov or attr in vocab.TENSOR_CASTS and recv.scaled:
         # (a loss already divided stays divided through ``.float()``, whatever model made it)
         return _val(ONE_UNKNOWN, recv.prov | _prov(*args), recv.scaled)
@@ -332,7 +335,9 @@ def weighted(loss, factor, factor_node, flow=None, fr=None):
     not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count).
     With the flow, a factor's own binding is read too (``self.loss_scale = 1.0 / accum``)."""
     is_loss = bool(loss.prov) or loss.scaled is not None
-    factor_is_loss = bool(factor.prov) or factor.scaled is not None
+    # (a call's result that no forward made, ``weights.get(name, 1.0)``, is a plain weight: read as
+    # "undivided" only because it is fresh)
+    factor_is_loss = bool(factor.prov) or factor.scaled is True
     if is_loss and not factor_is_loss and not scales_by_count(factor_node) and \
             not (flow is not None and _bound_to_a_fraction(flow, factor_node, fr)):
         return loss.scaled

@@ -90,9 +90,14 @@ def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
             merged |= v
         alts = ((TRUE, merged),)
     version = a.version if a.version == b.version else ("merge", _vkey(a.version), _vkey(b.version))
-    return EnvVal(alts, a.prov | b.prov, _scaled_or(a.scaled, b.scaled) if (a.scaled or b.scaled) else
-                  (None if a.scaled is None or b.scaled is None else False), cond, version,
-                  a.origin if a.origin == b.origin else None)
+    if a.scaled is None and not a.prov and b.prov:
+        scaled = b.scaled       # ``total = 0.0`` before a loop that adds the losses: the losses' scaling
+    elif b.scaled is None and not b.prov and a.prov:
+        scaled = a.scaled
+    else:
+        scaled = _scaled_or(a.scaled, b.scaled) if (a.scaled or b.scaled) else \
+            (None if a.scaled is None or b.scaled is None else False)
+    return EnvVal(alts, a.prov | b.prov, scaled, cond, version, a.origin if a.origin == b.origin else None)
 
 
 def _vkey(v):

@@ -139,8 +139,7 @@ class Loops:
     def loop(self, s, st: St, fr: Frame):
         info = self.loop_info(s)
         is_for = not isinstance(s, ast.While)
-        if is_for:
-            self.expr(s.iter, st, fr)
+        iterated = self.expr(s.iter, st, fr) if is_for else None
         counted = is_for and info.bound is not None and self.program.loop_runs_backward(s, fr)
         ctx = LoopCtx(info, None)
         last = self.last_atom(ctx) if counted else None
@@ -172,8 +171,15 @@ class Loops:
             fr.loops.append(ctx)
             body_in = head.copy()
             if is_for:
-                events.assign(self, s.target, EnvVal(((TRUE, turn),), version=id(s)), s, body_in, fr,
-                              version=id(s))
+                # (``for name, value in outputs.items()``: each value comes from what was iterated, the
+                # keys do not)
+                element = EnvVal(((TRUE, turn),), iterated.prov, iterated.scaled, version=id(s))
+                if _items_loop(s):
+                    events.assign(self, s.target.elts[0], EnvVal(((TRUE, turn),), version=id(s)), s, body_in, fr,
+                                  version=id(s))
+                    events.assign(self, s.target.elts[1], element, s, body_in, fr, version=id(s))
+                else:
+                    events.assign(self, s.target, element, s, body_in, fr, version=id(s))
             else:
                 true, _ = self.conds.cond(s.test, body_in, fr, self.program.relevant_branch(s, fr))
                 body_in = self.restrict(body_in, true)
@@ -308,6 +314,13 @@ def _loop_head(node, flow) -> str:
     else:
         text = f"while {ast.unparse(node.test)}"
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def _items_loop(loop) -> bool:
+    """``for key, value in d.items():``"""
+    it, target = loop.iter, loop.target
+    return isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "items" and \
+        isinstance(target, ast.Tuple) and len(target.elts) == 2
 
 
 def _steps_each(loop) -> bool:
