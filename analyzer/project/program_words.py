@@ -165,6 +165,9 @@ class Words:
                 # (``accelerator.take_optimizer_step()`` on a project's wrapper of the Accelerator)
                 duck = self.duck_method(func.attr, scope, call)
                 return [duck.fn] if duck is not None else []
+            if isinstance(base, ast.Name) and isinstance(scope, Function) and base.id in scope.params and \
+                    _MODEL_ATTRIBUTE.search(func.attr):
+                return None         # ``policy.model(x)``: a model kept on an object handed in
             return []
         return []
 
@@ -240,6 +243,10 @@ def _callables(project, sym) -> list:
         init = project.attribute(sym, "__init__")
         return [init] if isinstance(init, Function) else []
     return []
+
+
+_MODEL_ATTRIBUTE = re.compile(r"model|^net$|_net$|^module$|critic|actor|encoder|decoder|generator|discriminator|"
+                              r"backbone|unet|transformer", re.I)
 
 
 def _names_model(node) -> bool:
