@@ -245,6 +245,13 @@ class _RankChecker(RankTests):
                     return _kind(vocab.tail(v.qualname))
             return None
         attr = func.attr
+        if attr == "save_state" and _runs_deepspeed(self.values.module_of(scope)):
+            # ``accelerator.save_state(path)`` under DeepSpeed saves through every engine's
+            # ``save_checkpoint``, which starts with a barrier (accelerate#1171, diffusers#2606)
+            receiver = self.values.expr(func.value, scope)
+            if any(isinstance(v, Framework) and v.kind == "accelerate" for v in receiver):
+                return "save_state"
+            return None
         if attr not in vocab.COLLECTIVES and attr not in vocab.FRAMEWORK_COLLECTIVES:
             return None
         receiver = self.values.expr(func.value, scope)
@@ -369,6 +376,12 @@ class _RankChecker(RankTests):
             for callee in self.program.syntactic_targets(call, fn) or self._communicating_method(call, fn):
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
+
+def _runs_deepspeed(module) -> bool:
+    """Does the script say it may run under DeepSpeed (``--use_deepspeed``, ``DeepSpeedPlugin``,
+    ``DistributedType.DEEPSPEED``, a ``deepspeed_config`` file)?"""
+    return "deepspeed" in module.text.lower()
+
 
 _UNKNOWN = object()
 

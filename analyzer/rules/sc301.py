@@ -166,8 +166,10 @@ def _rank_branch_calls(text: str) -> bool:
     function of this file that runs one: cheap text, so files without one are never parsed."""
     runs = None
     for body in _rank_blocks(text):
-        if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body:
-            # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers)
+        if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body or (
+                ".save_state(" in body and "deepspeed" in text.lower()):
+            # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers;
+            # under DeepSpeed, ``accelerator.save_state`` saves through a barrier)
             return True
         lines = body.strip().splitlines()
         if lines and (lines[0].strip().startswith(_LEAVING) or lines[-1].strip().startswith(_LEAVING)):
@@ -279,7 +281,8 @@ class CollectiveInRankBranch(Rule):
         # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
         # substring tests first: the regexes are slow over a large file
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
-                and (_has_collective(text) or "FULL_STATE_DICT" in text)):
+                and (_has_collective(text) or "FULL_STATE_DICT" in text or
+                     (".save_state(" in text and "deepspeed" in text.lower()))):
             return False
         # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line; a
         # function only rank 0 runs (``@rank_zero_only``, ``@accelerator.on_main_process``) has none
@@ -291,7 +294,8 @@ class CollectiveInRankBranch(Rule):
 
     what = """
         Finds a collective (`dist.barrier()`, `all_reduce`, `broadcast`, `all_gather`, `reduce`,
-        `gather`, `accelerator.wait_for_everyone()`, ...) that runs only inside an `if rank == 0:`
+        `gather`, `accelerator.wait_for_everyone()`, an FSDP full state dict, `accelerator.save_state()`
+        in a script that runs under DeepSpeed, ...) that runs only inside an `if rank == 0:`
         / `if accelerator.is_main_process:` branch, directly or through a function of the same file.
     """
     why = """
