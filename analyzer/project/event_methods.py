@@ -171,6 +171,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             step(flow, node, frozenset(), st, fr, unknown=True)
             return NONE_VAL
         return None
+    if attr != "step" and not project_method and vocab.STEPPING_METHOD.match(attr) and not args and _unknown(vals):
+        # ``model.optim_step()`` (UPT: the model object owns its optimizer) on an object we cannot
+        # follow: a step of an optimizer we do not see
+        step(flow, node, frozenset(), st, fr, unknown=True)
+        return NONE_VAL
     if attr == "zero_grad" and project_method and _clears_by_hand(flow, vals):
         # an apex-style ``FP16_Optimizer.zero_grad()`` that loops over its groups setting ``p.grad``
         zero_grad(flow, node, frozenset(), st, fr)

@@ -60,6 +60,8 @@ class Words:
                     elif sets_sync_flag(node):
                         out.add("require_backward_grad_sync")
                     targets = self.syntactic_targets(node, scope)
+                    if not targets and isinstance(func, ast.Attribute) and _STEPPING_METHOD.match(name):
+                        out.add("step")          # ``model.optim_step()`` on an object we cannot follow
                     if targets is None:
                         out.add("call")          # a callable held in a variable or attribute: a model?
                     for fn in targets or ():
@@ -205,7 +207,7 @@ class Words:
 
 
 # a method whose name says it steps an optimizer, other than the optimizer's (or a scheduler's) own
-_STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim\w*step|\w*step_optim")
+_STEPPING_METHOD = vocab.STEPPING_METHOD
 
 
 def _returned_classes(project, fn) -> list:

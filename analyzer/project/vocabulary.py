@@ -139,3 +139,7 @@ def is_optimizer_class(qualname: str) -> bool:
 def looks_like_optimizer(name: str) -> bool:
     last = name.rsplit(".", 1)[-1]
     return bool(OPTIMIZER_NAME.match(last)) and "sched" not in last.lower()
+
+# a project's method that steps an optimizer it holds (``accelerator.take_optimizer_step()``,
+# ``model.optim_step()``); not a scheduler's or an EMA's
+STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim\w*step|\w*step_optim")
