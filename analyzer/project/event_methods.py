@@ -340,6 +340,10 @@ def weighted(loss, factor, factor_node, flow=None, fr=None):
     not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count).
     With the flow, a factor's own binding is read too (``self.loss_scale = 1.0 / accum``)."""
     is_loss = bool(loss.prov) or loss.scaled is not None
+    if is_loss and not factor.prov and _count_of_examples(factor_node):
+        # ``F.cross_entropy(logits, y) * y.numel()``: a mean times its count is a sum over the
+        # examples (VoiceStar), whose micro-steps add up to the batch's; no 1/N is missing
+        return True
     # (a call's result that no forward made, ``weights.get(name, 1.0)``, is a plain weight: read as
     # "undivided" only because it is fresh)
     factor_is_loss = bool(factor.prov) or factor.scaled is True
@@ -347,6 +351,18 @@ def weighted(loss, factor, factor_node, flow=None, fr=None):
             not (flow is not None and _bound_to_a_fraction(flow, factor_node, fr)):
         return loss.scaled
     return _UNWEIGHTED
+
+
+_EXAMPLE_COUNT = re.compile(r"^(?:n_?tok(?:en)?s?|num_tok(?:en)?s|tok(?:en)?_count|n_?samples|num_samples|"
+                            r"sample_size|n_?items)$", re.I)
+
+
+def _count_of_examples(node) -> bool:
+    """``y.numel()``, ``mask.sum()``, ``ntokens``, ``sample_size``: how many examples (tokens) a mean was over."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numel":
+        return True
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return bool(_EXAMPLE_COUNT.match(name))
 
 
 def _bound_to_a_fraction(flow, node, fr) -> bool:

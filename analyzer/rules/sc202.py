@@ -115,6 +115,15 @@ def _enclosing(module, node):
     return enclosing_function(module, node)
 
 
+def _mean_times_count(node) -> bool:
+    """``F.cross_entropy(logits, y) * y.numel()`` / ``loss * ntokens``: a mean times the number of
+    examples it was over, a sum."""
+    from synccheck.analyzer.project.event_methods import _count_of_examples
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and (
+        _count_of_examples(node.right) and isinstance(node.left, ast.Call) or
+        _count_of_examples(node.left) and isinstance(node.right, ast.Call))
+
+
 def _sums_its_loss(program, model, info) -> bool:
     """Does the forward of the model that made this loss return a loss reduced by sum
     (``return F.cross_entropy(logits, targets, reduction="sum")``)? Its micro-steps' gradients then add
@@ -144,12 +153,14 @@ def _sums_its_loss(program, model, info) -> bool:
         summed = set()
         nodes = list(ast.walk(forward.node))
         for node in nodes:
-            if isinstance(node, (ast.Assign, ast.AugAssign)) and sum_reduced(node.value, defaults):
+            if isinstance(node, (ast.Assign, ast.AugAssign)) and (sum_reduced(node.value, defaults) or
+                                                                   _mean_times_count(node.value)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 summed.update(t.id for t in targets if isinstance(t, ast.Name))
         for node in nodes:
             if isinstance(node, ast.Return) and node.value is not None:
-                parts = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                parts = node.value.elts if isinstance(node.value, ast.Tuple) else \
+                    node.value.values if isinstance(node.value, ast.Dict) else [node.value]
                 if any(sum_reduced(p, defaults) or isinstance(p, ast.Name) and p.id in summed for p in parts):
                     return True
     return False
