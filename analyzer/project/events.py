@@ -189,7 +189,10 @@ def expr(flow, node, st, fr) -> EnvVal:
         return _val(ONE_UNKNOWN)
     if t in (ast.Tuple, ast.List):
         items = [expr(flow, e, st, fr) for e in node.elts]
-        return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items))
+        # ``return loss, info``: the tuple is as divided as the losses in it (what unpacking reads)
+        losses = {i.scaled for i in items if i.prov}
+        return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items),
+                    losses.pop() if len(losses) == 1 else None)
     if t is ast.Subscript:
         chosen = _by_truth(flow, node, fr)
         if chosen is not None:

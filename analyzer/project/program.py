@@ -233,9 +233,12 @@ class Program(Words, WrappedModels):
             self._words[key] = (None, False)
             found, through_items = False, False
             items = _item_stores(fn.node)
-            todo, seen = [(e, False) for e in info.returns], set()
+            # (entries stored into a container count only where the container's entries are what is
+            # returned: summed, ``sum(l for l in d.values())``, not a metrics dict beside the loss)
+            todo, seen = [(e, False, False) for e in info.returns], set()
             while todo:
-                expr, via_items = todo.pop()
+                expr, via_items, summed = todo.pop()
+                entries = _containers_summed(expr)
                 for node in walk(expr):
                     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
                         found = True
@@ -245,9 +248,11 @@ class Program(Words, WrappedModels):
                         if text in seen:
                             continue
                         seen.add(text)
+                        whole = summed or text in entries
                         if isinstance(node, ast.Name):
-                            todo.extend((value, via_items) for value, _ in info.assigns.get(node.id, ()))
-                        todo.extend((value, True) for value in items.get(text, ()))
+                            todo.extend((value, via_items, whole) for value, _ in info.assigns.get(node.id, ()))
+                        if whole:
+                            todo.extend((value, True, False) for value in items.get(text, ()))
             self._words[key] = (found, found and through_items and not self._scaled_without_items(info))
         return self._words[key]
 
@@ -342,6 +347,22 @@ def lightning_manual_step(fn, segment: str) -> bool:
     ``opt.step()`` every few batches)."""
     return fn.node.name == "training_step" and fn.cls is not None and "manual_backward(" in segment and \
         "automatic_optimization" in fn.module.segment(fn.cls.node) and len(fn.params) >= 3
+
+
+def _containers_summed(expr):
+    """The texts of the containers whose entries ``expr`` sums or iterates (``sum(d.values())``,
+    ``sum(l.mean() for l in loss_dict.values())``, ``sum(losses)``)."""
+    out = set()
+    for node in walk(expr):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("values", "items") \
+                and isinstance(node.func.value, (ast.Name, ast.Attribute)):
+            out.add(ast.unparse(node.func.value))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "sum" and node.args and \
+                isinstance(node.args[0], (ast.Name, ast.Attribute)):
+            out.add(ast.unparse(node.args[0]))
+        elif isinstance(node, ast.comprehension) and isinstance(node.iter, (ast.Name, ast.Attribute)):
+            out.add(ast.unparse(node.iter))
+    return out
 
 
 def _item_stores(fn_node) -> dict:
