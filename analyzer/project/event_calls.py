@@ -222,11 +222,13 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
             out = EnvVal(out.alts + r.alts, out.prov | r.prov, out.scaled if out.scaled == r.scaled else None,
                          out.cond if out.cond == r.cond else None)
         return out
-    if (_opaque_object(callee) or recv is not None and not targets and _LOSS_METHOD.search(func.attr) and
+    if (_opaque_object(callee) and not isinstance(func, ast.Call) or
+            recv is not None and not targets and _LOSS_METHOD.search(func.attr) and
             (_opaque_object(recv.values) or all(isinstance(v, Unknown) for v in recv.values))) and \
             not _prov(*args, *kws.values()):
         # an object we cannot see into, called with the model and no output of it: it runs the
-        # model's forward (``loss = self.imagen(x, unet=self.unet)``, ``loss = criterion(model, batch)``);
+        # model's forward (``loss = self.imagen(x, unet=self.unet)``, ``loss = criterion(model, batch)``;
+        # not a factory's product, ``make_denoiser_wrapper(config)(inner_model)``, which wraps it);
         # so does such an object's method that computes a loss with the model it is handed (DiT's
         # ``diffusion.training_losses(model, x, t)``). Its other methods handed the model
         # (``ema.update(model)``, ``wandb.watch(model)``) do not.
