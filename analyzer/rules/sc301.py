@@ -15,7 +15,8 @@ RANK_WORDS = ("rank", "RANK", "main_process", "master", "global_zero", "process_
 CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "strategy.")
 
 
-FRAMEWORKS = ("torch.distributed", "accelerate", "lightning")
+# (``torch.distributed``, ``DistributedDataParallel``, a project's ``distributed_utils``)
+FRAMEWORKS = ("distributed", "Distributed", "accelerate", "lightning")
 # decorators whose function runs on the main process only
 RANK_DECORATORS = ("rank_zero_only", "on_main_process", "on_local_main_process", "main_process_only", "rank0_only",
                    "master_only", "on_rank_zero")
@@ -25,8 +26,10 @@ COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric|strategy)\.(b
                    r"reduce_scatter\w*|all_to_all\w*|wait_for_everyone|pad_across_processes)\(")
 # (and a LightningModule's own gather, and a project object's method that says it communicates:
 # ``metric_logger.synchronize_between_processes()``, ``top1.all_reduce()``)
-COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\.(?:synchronize_between_processes|all_reduce|all_gather)\(")
-_METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce(", ".all_gather(")
+# (``distributed_utils.all_reduce_dict(data)``, ``utils.all_gather_list(x)``: a project helper's name
+# that says it communicates; the analysis then reads what it runs)
+COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\.(?:synchronize_between_processes|all_reduce\w*|all_gather\w*)\(")
+_METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce", ".all_gather")
 
 
 # what may follow one of CALL_PREFIXES in a collective call: COLLECTIVE_TEXT without its prefix
