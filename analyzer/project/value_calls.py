@@ -344,6 +344,13 @@ class CallValues:
         info = self.info(fn)
         if not info.returns:
             return frozenset((Const(None),))
+        unwrapped = _unwrapper_parameter(fn.node)
+        if unwrapped is not None:
+            # ``if hasattr(model, "module"): return model.module`` / ``return model`` (open_clip's
+            # unwrap_model): the module inside where it is a wrapper, never the wrapper (as the
+            # conditional expression in Values.expr)
+            return frozenset(Inner(v) if isinstance(v, Wrapper) and v.kind in ("ddp", "fsdp", "dp") else v
+                             for v in self.name(unwrapped, fn))
         out = set()
         for value in info.returns:
             out |= self.expr(value, fn)
@@ -431,3 +438,22 @@ def _forwarding_wrapper(klass, call: ast.Call):
         return None
     param = stored[attr]
     return _argument(call, init, param, init.params.index(param), 1)
+
+
+def _unwrapper_parameter(node) -> Optional[str]:
+    """``def unwrap(m): if <test of m>: return m.module; [else:] return m``: the parameter, else None."""
+    body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if not body or not isinstance(body[0], ast.If) or len(body) > 2:
+        return None
+    test = body[0]
+    rest = test.orelse if test.orelse else body[1:]
+    if len(test.body) != 1 or len(rest) != 1:
+        return None
+    for inside, plain in ((test.body[0], rest[0]), (rest[0], test.body[0])):
+        if isinstance(inside, ast.Return) and isinstance(plain, ast.Return) and \
+                isinstance(inside.value, ast.Attribute) and inside.value.attr == "module" and \
+                isinstance(inside.value.value, ast.Name) and isinstance(plain.value, ast.Name) and \
+                inside.value.value.id == plain.value.id and \
+                any(isinstance(n, ast.Name) and n.id == plain.value.id for n in ast.walk(test.test)):
+            return plain.value.id
+    return None
