@@ -45,6 +45,11 @@ class Branches:
                     if depends_on(true, k) and k not in self.records.switches:
                         self.records.switches.add(k)
                         self.atom_info[k] = (self.atom_info.get(k, ((), True))[0], False)
+        never_none = _none_test_decided(s.test, st)
+        if never_none is not None and true and false:
+            # ``if no_sync_func is None: no_sync_func = nullcontext`` where the caller handed
+            # ``model.no_sync`` (Megatron's schedules): the test's side where it is None is not taken
+            true, false = (TRUE, 0) if never_none else (0, TRUE)
         if not s.orelse and true and false and distributed_switch(s.test) and _SYNC_TEXT.search(
                 fr.module.segment(s) or ""):
             true, false = TRUE, 0       # the run with no data-parallel model has nothing to check
@@ -150,6 +155,22 @@ class Branches:
                 new = kept[0] if len(kept) == 1 else ast.copy_location(ast.BoolOp(ast.And(), kept), test)
             hit = self.memo[key] = (s, new)
         return hit[1]
+
+
+def _none_test_decided(test, st) -> Optional[bool]:
+    """``x is None`` (False) / ``x is not None`` (True) where every value ``x`` may hold on this path is
+    a known object that is not None; None when it may be None or is not known."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], (ast.Is, ast.IsNot))
+            and isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value is None):
+        return None
+    known = st.env.get(test.left.id) if st is not None else None
+    if known is None or not known.values:
+        return None
+    from synccheck.analyzer.project.events import FlowFactory
+    if not all(isinstance(v, (FlowFactory, Wrapper)) for v in known.values):
+        return None         # (only a sync control or a wrapper handed in is known not to be None)
+    return isinstance(test.ops[0], ast.IsNot)
 
 
 def _asks_for_no_sync(node) -> bool:
