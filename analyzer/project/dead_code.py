@@ -28,6 +28,11 @@ def never_runs(program, fn) -> bool:
     return not _named_elsewhere(program, fn.node.name, "def")
 
 
+def class_never_made(program, fn) -> bool:
+    """Is ``fn`` a method of a project class whose name appears nowhere else (never made)?"""
+    return isinstance(fn, Function) and fn.cls is not None and not _named_elsewhere(program, fn.cls.node.name, "class")
+
+
 def _project_bases_only(project, klass) -> bool:
     """Does every class above ``klass`` resolve to a class of the project (no library base that may
     call its hooks)?"""

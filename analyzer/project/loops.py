@@ -173,7 +173,8 @@ class Loops:
             if is_for:
                 # (``for name, value in outputs.items()``: each value comes from what was iterated, the
                 # keys do not)
-                element = EnvVal(((TRUE, turn),), iterated.prov, iterated.scaled, version=id(s))
+                element = EnvVal(((TRUE, turn),), iterated.prov, iterated.scaled, version=id(s)) \
+                    if _iterates_a_container(s) else EnvVal(((TRUE, turn),), version=id(s))
                 if _items_loop(s):
                     events.assign(self, s.target.elts[0], EnvVal(((TRUE, turn),), version=id(s)), s, body_in, fr,
                                   version=id(s))
@@ -314,6 +315,15 @@ def _loop_head(node, flow) -> str:
     else:
         text = f"while {ast.unparse(node.test)}"
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def _iterates_a_container(loop) -> bool:
+    """``for v in outputs.values()``, ``for l in losses``: the elements of a value (not what a
+    generator or a helper yields, which its own code says)."""
+    it = loop.iter
+    if isinstance(it, ast.Call):
+        return isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "values") and not it.args
+    return isinstance(it, (ast.Name, ast.Attribute, ast.Subscript))
 
 
 def _items_loop(loop) -> bool:

@@ -332,9 +332,11 @@ class _RankChecker(RankTests):
         for stmt in stmts:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
-            if isinstance(stmt, ast.If) and "single" in self._sides(stmt.test, fn, 0):
+            if isinstance(stmt, ast.If) and (not binding or _fold(stmt.test, binding) is _UNKNOWN) and \
+                    "single" in self._sides(stmt.test, fn, 0):
                 # ``if not ddp: value = gather(value)`` with ``ddp = bool(world_size)``: that side runs in
-                # a job that is not distributed, where no collective can hang (as ``walk`` reads it)
+                # a job that is not distributed, where no collective can hang (as ``walk`` reads it),
+                # unless the literal arguments of this call decide the test (``distributed=False``)
                 single = self._sides(stmt.test, fn, 0)[0] == "single"
                 self._runs_calls(stmt.test, fn, binding, out)
                 self._runs_in(stmt.orelse if single else stmt.body, fn, binding, out)

@@ -11,7 +11,7 @@ import ast
 import re
 from typing import NamedTuple, Optional
 
-from synccheck.analyzer.project.dead_code import never_runs
+from synccheck.analyzer.project.dead_code import class_never_made, never_runs
 from synccheck.analyzer.project.definitions import Function, called_name, is_super_call
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.traversal import block_nodes, walk, walk_no_defs
@@ -157,7 +157,8 @@ def samplers_without_set_epoch(program) -> list:
         last = _last_name(call.func.value)
         if _DATASET.search(last) and "sampler" not in last.lower():
             continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
-        if never_runs(program, scope) and not any(isinstance(s, Function) and s.cls is scope.cls for *_, s in made):
+        if never_runs(program, scope) and not (class_never_made(program, scope) and any(
+                isinstance(s, Function) and s.cls is scope.cls for *_, s in made)):
             # ``set_epoch`` in a hook nothing calls, or a hook class nothing registers (a class that
             # makes its sampler and reseeds it is one piece: made by a script out of view, or by nobody)
             continue
