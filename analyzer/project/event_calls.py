@@ -406,6 +406,8 @@ def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
     if len(names) != 1 or len(returns) != len([r for r in returns if isinstance(r, ast.Name)]):
         return None
     (name,) = names
+    if any(isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in walk_no_defs(fn.node)):
+        return None         # (``loss = loss / accum; return loss``: not what was handed)
     params = list(fn.params)
     if receiver is not None and fn.is_method and params:
         params = params[1:]

@@ -353,7 +353,7 @@ def weighted(loss, factor, factor_node, flow=None, fr=None):
     return _UNWEIGHTED
 
 
-_EXAMPLE_COUNT = re.compile(r"^(?:n_?tok(?:en)?s?|num_tok(?:en)?s|tok(?:en)?_count|n_?samples|num_samples|"
+_EXAMPLE_COUNT = re.compile(r"(?:^|_)(?:n_?tok(?:en)?s?|num_tok(?:en)?s|tok(?:en)?_count|n_?samples|num_samples|"
                             r"sample_size|n_?items)$", re.I)
 
 
@@ -362,7 +362,7 @@ def _count_of_examples(node) -> bool:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numel":
         return True
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-    return bool(_EXAMPLE_COUNT.match(name))
+    return bool(_EXAMPLE_COUNT.search(name))
 
 
 def _bound_to_a_fraction(flow, node, fr) -> bool:

@@ -379,10 +379,14 @@ class _RankChecker(RankTests):
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
+_RUNS_DEEPSPEED = re.compile(r"DeepSpeedPlugin\(|use_deepspeed|DistributedType\.DEEPSPEED|deepspeed_config|--deepspeed")
+
+
 def _runs_deepspeed(module) -> bool:
-    """Does the script say it may run under DeepSpeed (``--use_deepspeed``, ``DeepSpeedPlugin``,
-    ``DistributedType.DEEPSPEED``, a ``deepspeed_config`` file)?"""
-    return "deepspeed" in module.text.lower()
+    """Does the script say it runs under DeepSpeed (``--use_deepspeed``, ``DeepSpeedPlugin(...)``,
+    ``DistributedType.DEEPSPEED``, a ``deepspeed_config`` file)? (diffusers' examples name the plugin
+    only to turn ZeRO-3's init off for their frozen models: not enough.)"""
+    return _RUNS_DEEPSPEED.search(module.text) is not None
 
 
 _UNKNOWN = object()
