@@ -63,6 +63,13 @@ def _rank_if_lines(text: str):
         if stripped.startswith(("if ", "if(", "elif ", "elif(", "match ")) and code.endswith(":") and \
                 RANK_TEST.search(code):
             yield line_end, len(line) - len(line.lstrip())
+        elif stripped.startswith(("if ", "if(", "elif ", "elif(")) and RANK_TEST.search(code) and (
+                code.endswith("\\") or code.count("(") + code.count("[") > code.count(")") + code.count("]")):
+            # the first line of a test written over several lines (``if is_main_process() and a \``
+            # / ``and b:``, DINOv2): the block starts after the line that ends the test
+            end = _test_end(text, line_end)
+            if end is not None:
+                yield end, len(line) - len(line.lstrip())
         elif code.endswith(":") and RANK_TEST.search(code):
             # the last line of a test written over several lines (``if not distributed or (distributed
             # \n and args.rank % ngpus_per_node == 0):``): the ``if`` a few lines up
@@ -79,6 +86,21 @@ def _rank_if_lines(text: str):
         test = re.compile(r"^([ \t]*)(?:el)?if[ \t(]+(?:not[ \t]+)?" + re.escape(name) + r"\b[^\n]*:[ \t]*(?:#[^\n]*)?$", re.M)
         for match in test.finditer(text):
             yield match.end(), len(match.group(1))
+
+
+def _test_end(text: str, line_end: int, most: int = 4):
+    """The end offset of the line, among the ``most`` after ``line_end``, that ends with ``:`` (the end
+    of a test written over several lines), or None."""
+    begin = line_end + 1
+    for _ in range(most):
+        end = text.find("\n", begin)
+        end = len(text) if end == -1 else end
+        if text[begin:end].split("#", 1)[0].rstrip().endswith(":"):
+            return end
+        if end >= len(text):
+            return None
+        begin = end + 1
+    return None
 
 
 def _wrapped_if(text: str, start: int, most: int = 4):
