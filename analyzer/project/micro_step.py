@@ -268,6 +268,8 @@ def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> Non
     optims = frozenset(v for v in vals if isinstance(v, Optim))
     direct = flow.program.models_of(frozenset(v for v in vals if isinstance(v, (Wrapper, Obj, Inner))))
     models = _owned(flow, optims) if optims else (direct or None)
+    if prepared and models and all(isinstance(m, Wrapper) and m.kind == "deepspeed" for m in models):
+        return      # ``Accelerator(deepspeed_plugin=...)``: the engine zeroes at its boundary; this is a no-op
     gate = _sync_gradients_atom(flow) if prepared else None
     if prepared and gate is None:
         return

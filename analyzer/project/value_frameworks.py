@@ -26,7 +26,7 @@ class FrameworkValues:
         # config makes, so this Accelerator runs DeepSpeed; its engine decides the accumulation
         # boundary and reduces the gradients there (gpt4all's train.py)
         kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) or \
-            _deepspeed_only(scope) else "accelerate"
+            _deepspeed_only(scope) or self._plugged_deepspeed(call.func, scope) else "accelerate"
         for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
             source = _comprehension_source(arg, scope)
@@ -53,6 +53,20 @@ class FrameworkValues:
         if len(items) == 1:
             return items[0]
         return frozenset((Tup(tuple(items)),))
+
+    def _plugged_deepspeed(self, func, scope) -> bool:
+        """``accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(...))``: this Accelerator runs
+        DeepSpeed, whose engine steps and zeroes at its own boundary (the prepared optimizer's
+        ``step`` and ``zero_grad`` do nothing)."""
+        receiver = func.value if isinstance(func, ast.Attribute) else None
+        if not isinstance(receiver, ast.Name):
+            return False
+        for value, _ in self.bound_expressions(receiver.id, scope):
+            if isinstance(value, ast.Call) and any(
+                    kw.arg == "deepspeed_plugin" and not (isinstance(kw.value, ast.Constant) and kw.value.value is None)
+                    for kw in value.keywords):
+                return True
+        return False
 
     def _dummy_optimizer(self, arg, prepare, scope) -> bool:
         """Is ``arg`` accelerate's ``DummyOptim(...)``, or a name bound only to one (and to what
