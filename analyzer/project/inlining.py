@@ -222,6 +222,8 @@ def _attribute_values(flow, inst: Inst):
     attrs = set()
     for klass in flow.project.mro(inst.cls):
         attrs.update(_class_attrs(flow.values, klass))
+    # (and a record's fields: ``@dataclass class Trainer: dist_model: Any``, OLMo's)
+    attrs.update(name for name, _ in flow.values.record_fields(inst.cls))
     for attr in sorted(attrs):
         yield flow.values.instance_attribute(inst, attr)
 
