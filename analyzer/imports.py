@@ -335,7 +335,7 @@ class Components:
                     if target in where:
                         hit.add(self.find(target))
                         break
-            if len(hit) >= 2 or (hit and (path.endswith("__init__.py") or _script_with_a_loop(path))):
+            if len(hit) >= 2 or (hit and (path.endswith("__init__.py") or driver_script(path))):
                 # (or a script whose loop may drive the one it imports: ``model.optimize_parameters(...)``
                 # in train.py, which says none of our words; parsed only if the analysis finds it drives
                 # a training function nothing else calls, program.drivers_of)
@@ -354,11 +354,14 @@ class Components:
 _SCRIPT_NAME = re.compile(r"(?:^|_)(?:train|main|run|finetune|pretrain)(?:_|\.py$)", re.I)
 
 
-def _script_with_a_loop(path: str) -> bool:
-    """A script (``__main__`` or a training script's name) with a loop."""
+def driver_script(path: str) -> bool:
+    """A script (``__main__`` or a training script's name) with a loop, or a training script's name
+    (``train.py``'s ``main`` may only call ``setup(...)`` and ``conduct_train(model, ...)``, VALOR)."""
     data = _read(path)
-    return bool(data) and ("for " in data or "while " in data) and (
-        "__main__" in data or bool(_SCRIPT_NAME.search(os.path.basename(path))))
+    if not data:
+        return False
+    named = bool(_SCRIPT_NAME.search(os.path.basename(path)))
+    return named or (("for " in data or "while " in data) and "__main__" in data)
 
 
 def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:

@@ -1437,6 +1437,43 @@ def test_a_training_function_reexported_by_a_star_import(tmp_path, paths):
     check_project(tmp_path, STAR_REEXPORTED_TRAIN, paths=paths)
 
 
+# the training script only calls the helpers that wrap and train (VALOR: ``model, optimizer =
+# set_parallel_optimizer_and_apex(...)``, ``conduct_train(model, ...)``): no loop, no word of ours
+DRIVER_WITHOUT_A_LOOP = {
+    "setup.py": "",
+    "train_utils.py": """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+        def setup(model, optimizer, opts):
+            model = DDP(model, device_ids=[opts.local_rank])
+            return model, optimizer
+
+
+        def conduct_train(model, optimizer, train_loader, opts):
+            for step, batch in enumerate(train_loader):
+                loss = model(batch) / opts.accum
+                loss.backward()  # SC101
+                if (step + 1) % opts.accum == 0:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """,
+    "train.py": """
+        from train_utils import conduct_train, setup
+
+
+        def main(opts, net, optimizer, loader):
+            model, optimizer = setup(net, optimizer, opts)
+            conduct_train(model, optimizer, loader, opts)
+    """,
+}
+
+
+@pytest.mark.parametrize("paths", [None, ["train_utils.py"]], ids=["folder", "single-file"])
+def test_a_training_script_without_a_loop_drives_the_helpers(tmp_path, paths):
+    check_project(tmp_path, DRIVER_WITHOUT_A_LOOP, paths=paths)
+
+
 # a callback of a library calls its hooks itself: the method's name appears nowhere else, and it runs
 LIBRARY_CALLBACK_SEEDS_THE_SAMPLER = {
     "callbacks.py": """
