@@ -350,14 +350,14 @@ def _has_epoch_loop(program) -> bool:
                     return True
                 if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and \
                         _counts(node, module) and _TRAINS.search(module.segment(node) or ""):
-                    # (a loop that trains: not a dataset's ``while len(pick) < n: for sub in ...``)
+                    # (a loop that trains, or yields batches: not a dataset's ``while len(pick) < n: for sub in ...``)
                     return True
                 if _refills_an_iterator(node):
                     return True
     return False
 
 
-_TRAINS = re.compile(r"backward\(|\.step\(|train|fit\(|run_epoch|epoch")
+_TRAINS = re.compile(r"backward\(|\.step\(|train|fit\(|run_epoch|epoch|yield")
 
 
 def _refills_an_iterator(loop) -> bool:
