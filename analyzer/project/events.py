@@ -165,7 +165,13 @@ def expr(flow, node, st, fr) -> EnvVal:
         body, orelse = expr(flow, node.body, st, fr), expr(flow, node.orelse, st, fr)
         syncish = any(isinstance(v, (FlowCtx, FlowFactory, FlowHelper)) or isinstance(v, Const) and isinstance(v.value, bool)
                       for v in body.values | orelse.values)
-        true, false = flow.conds.cond(node.test, st, fr, syncish or bool(fr.loops))
+        if not syncish and isinstance(node.test, ast.Call) and isinstance(node.test.func, ast.Name) and \
+                node.test.func.id == "isinstance":
+            # ``model.module.state_dict() if isinstance(model, DDP) else model.state_dict()`` in a save
+            # block: a type test that picks no sync control splits nothing (both values, no new atom)
+            true, false = TRUE, TRUE
+        else:
+            true, false = flow.conds.cond(node.test, st, fr, syncish or bool(fr.loops))
         alts = tuple((g & true, v) for g, v in body.alts if g & true) + \
             tuple((g & false, v) for g, v in orelse.alts if g & false)
         cond = None
