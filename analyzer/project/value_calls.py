@@ -443,6 +443,16 @@ def _forwarding_wrapper(klass, call: ast.Call):
 def _unwrapper_parameter(node) -> Optional[str]:
     """``def unwrap(m): if <test of m>: return m.module; [else:] return m``: the parameter, else None."""
     body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) == 2 and isinstance(body[0], ast.If) and not body[0].orelse and len(body[0].body) == 1 and \
+            isinstance(body[1], ast.Return) and isinstance(body[1].value, ast.Name):
+        # ``if isinstance(net, (DataParallel, DDP)): net = net.module`` / ``return net`` (BasicSR's
+        # get_bare_model)
+        name, step = body[1].value.id, body[0].body[0]
+        if isinstance(step, ast.Assign) and len(step.targets) == 1 and isinstance(step.targets[0], ast.Name) and \
+                step.targets[0].id == name and isinstance(step.value, ast.Attribute) and step.value.attr == "module" and \
+                isinstance(step.value.value, ast.Name) and step.value.value.id == name and \
+                any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(body[0].test)):
+            return name
     if not body or not isinstance(body[0], ast.If) or len(body) > 2:
         return None
     test = body[0]
