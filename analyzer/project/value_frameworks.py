@@ -10,6 +10,7 @@ the part of ``values.Values`` that does this.
 from __future__ import annotations
 
 import ast
+import re
 
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.traversal import walk_no_defs
@@ -214,10 +215,24 @@ def _harmless_use(stmt, name: str) -> bool:
     allowed = {id(node.func.value) for node in walk_no_defs(stmt)
                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and
                node.func.attr in _HARMLESS_METHODS and isinstance(node.func.value, ast.Name)}
+    # kohya's LoRA network (``lora.create_network(..., unet)``, ``network.apply_to(text_encoder, unet)``)
+    # keeps the adapter's parameters in the network object and hooks the frozen module's forward: the
+    # module gains no trainable parameter
+    allowed |= {id(a) for node in walk_no_defs(stmt)
+                if isinstance(node, ast.Call) and _ADAPTER_HOLDER.fullmatch(_called(node))
+                for a in list(node.args) + [k.value for k in node.keywords] if isinstance(a, ast.Name)}
     prepared = isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
         isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in ("prepare", "prepare_model")
     return all(id(n) in allowed or (prepared and isinstance(n.ctx, ast.Store))
                for n in walk_no_defs(stmt) if isinstance(n, ast.Name) and n.id == name)
+
+
+_ADAPTER_HOLDER = re.compile(r"create_network(?:_from_weights)?|apply_to")
+
+
+def _called(call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
 def _comprehension_source(arg, scope):
