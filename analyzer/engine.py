@@ -272,11 +272,12 @@ def _lint(paths, codes, pool, is_excluded, cache, edits: bool = True) -> LintRes
                 if os.path.abspath(other) in candidates:
                     continue
                 entry, error = _read(other, content_key, imported_names, rules)
-                if entry is not None and not entry.gated and driver_script(other):
+                driver = entry is not None and not entry.gated and driver_script(other)
+                if driver:
                     # a training script that drives the file without any word of ours (``model, opt =
                     # setup(...)``; ``conduct_train(model, opt, ...)``): context all the same
                     entry, error = _read(other, content_key, imported_names, rules, force=True)
-                if entry is not None and (entry.gated or driver_script(other)):
+                if entry is not None and (entry.gated or driver):
                     entry.linted = False
                     candidates[os.path.abspath(other)] = entry
     components = Components(paths)

@@ -354,14 +354,18 @@ class Components:
 _SCRIPT_NAME = re.compile(r"(?:^|_)(?:train|main|run|finetune|pretrain)(?:_|\.py$)", re.I)
 
 
+def training_script_name(path: str) -> bool:
+    """Is the file named like a training script (``train.py``, ``main_finetune.py``, ``run_clm.py``)?"""
+    return bool(_SCRIPT_NAME.search(os.path.basename(path)))
+
+
 def driver_script(path: str) -> bool:
     """A script (``__main__`` or a training script's name) with a loop, or a training script's name
     (``train.py``'s ``main`` may only call ``setup(...)`` and ``conduct_train(model, ...)``, VALOR)."""
     data = _read(path)
     if not data:
         return False
-    named = bool(_SCRIPT_NAME.search(os.path.basename(path)))
-    return named or (("for " in data or "while " in data) and "__main__" in data)
+    return training_script_name(path) or (("for " in data or "while " in data) and "__main__" in data)
 
 
 def importers_beside(path: str, linted: set, limit: int = MAX_CONTEXT_SCAN) -> list:

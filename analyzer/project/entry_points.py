@@ -10,9 +10,9 @@ steps on every call accumulates nothing and is left alone.
 from __future__ import annotations
 
 import ast
-import os
 import re
 
+from synccheck.analyzer.imports import training_script_name
 from synccheck.analyzer.project.traversal import children, walk
 
 _CALL_WORD = re.compile(r"([A-Za-z_]\w*)\s*\(")
@@ -59,8 +59,6 @@ def per_call_step(program, fn) -> bool:
     return _counter_gates_step(program, fn, MAX_DEPTH, set())
 
 
-# a training script's name (imports._SCRIPT_NAME): a driver even when it has no loop of its own
-_SCRIPT_NAME = re.compile(r"(?:^|_)(?:train|main|run|finetune|pretrain)(?:_|\.py$)", re.I)
 MAX_DRIVERS = 8
 MAX_DRIVEN_PROJECT = 400
 
@@ -82,7 +80,8 @@ def drivers_of(program, seen: set) -> list:
         if apath in project._context_only:
             continue
         text = project.catalog_text(apath)
-        if text and ("for " in text or "while " in text or _SCRIPT_NAME.search(os.path.basename(apath))):
+        # (a training script's name: a driver even when it has no loop of its own)
+        if text and ("for " in text or "while " in text or training_script_name(apath)):
             called = set(calls.findall(text))
             if called:
                 candidates.append((apath, called))

@@ -401,12 +401,13 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
 
 def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
     """The argument ``fn`` returns as it was handed (every ``return`` is that parameter), else None."""
-    returns = [n.value for n in walk_no_defs(fn.node) if isinstance(n, ast.Return)]
+    nodes = walk_no_defs(fn.node)
+    returns = [n.value for n in nodes if isinstance(n, ast.Return)]
     names = {r.id for r in returns if isinstance(r, ast.Name)}
     if len(names) != 1 or len(returns) != len([r for r in returns if isinstance(r, ast.Name)]):
         return None
     (name,) = names
-    if any(isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in walk_no_defs(fn.node)):
+    if any(isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in nodes):
         return None         # (``loss = loss / accum; return loss``: not what was handed)
     params = list(fn.params)
     if receiver is not None and fn.is_method and params:

@@ -340,7 +340,7 @@ def weighted(loss, factor, factor_node, flow=None, fr=None):
     not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count).
     With the flow, a factor's own binding is read too (``self.loss_scale = 1.0 / accum``)."""
     is_loss = bool(loss.prov) or loss.scaled is not None
-    if is_loss and not factor.prov and _count_of_examples(factor_node):
+    if is_loss and not factor.prov and count_of_examples(factor_node):
         # ``F.cross_entropy(logits, y) * y.numel()``: a mean times its count is a sum over the
         # examples (VoiceStar), whose micro-steps add up to the batch's; no 1/N is missing
         return True
@@ -357,7 +357,7 @@ _EXAMPLE_COUNT = re.compile(r"(?:^|_)(?:n_?tok(?:en)?s?|num_tok(?:en)?s|tok(?:en
                             r"sample_size|n_?items)$", re.I)
 
 
-def _count_of_examples(node) -> bool:
+def count_of_examples(node) -> bool:
     """``y.numel()``, ``mask.sum()``, ``ntokens``, ``sample_size``: how many examples (tokens) a mean was over."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "numel":
         return True

@@ -196,9 +196,7 @@ def expr(flow, node, st, fr) -> EnvVal:
     if t in (ast.Tuple, ast.List):
         items = [expr(flow, e, st, fr) for e in node.elts]
         # ``return loss, info``: the tuple is as divided as the losses in it (what unpacking reads)
-        losses = {i.scaled for i in items if i.prov}
-        return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items),
-                    losses.pop() if len(losses) == 1 else None)
+        return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items), _losses_scaled(items))
     if t is ast.Subscript:
         chosen = _by_truth(flow, node, fr)
         if chosen is not None:
@@ -244,9 +242,8 @@ def expr(flow, node, st, fr) -> EnvVal:
         items = frozenset().union(*(e.values for e in entries))
         # ``return {"loss": loss / accum, "rec": rec.detach()}``: the record is as divided as its loss
         # (what ``out["loss"]`` reads back)
-        losses = {e.scaled for k, e in zip(node.keys, entries) if "loss" in k.value.lower() and e.prov}
         return _val(frozenset((Bag(_cap(items), True, fields),)), _prov(*entries),
-                    losses.pop() if len(losses) == 1 else None)
+                    _losses_scaled([e for k, e in zip(node.keys, entries) if "loss" in k.value.lower()]))
     if t in (ast.GeneratorExp, ast.ListComp, ast.SetComp):
         # ``sum(loss_dict[k] / accum for k in loss_dict)``: each element's scaling is the whole's
         prov = frozenset()
@@ -323,6 +320,12 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
         key = _item_key(target, st)
         if key is not None:
             st.env[key[0]] = _versioned(value, version)._replace(origin=("item of", key[1]))
+
+
+def _losses_scaled(parts) -> Optional[bool]:
+    """How divided the losses among ``parts`` (those a forward made) are, when they agree; else None."""
+    losses = {p.scaled for p in parts if p.prov}
+    return losses.pop() if len(losses) == 1 else None
 
 
 _COUNT_NAME = re.compile(r"count|sample_size|n_?tokens|num_tokens|n_?samples|num_samples|denom|normali[sz]|"

@@ -231,42 +231,10 @@ class Program(Words, WrappedModels):
         if key not in self._words:
             info = self.values.info(fn)
             self._words[key] = (None, False)
-            found, through_items = False, False
-            items = _item_stores(fn.node)
-            # (entries stored into a container count only where the container's entries are what is
-            # returned: summed, ``sum(l for l in d.values())``, not a metrics dict beside the loss)
-            todo, seen = [(e, False, False) for e in info.returns], set()
-            while todo:
-                expr, via_items, summed = todo.pop()
-                entries = _containers_summed(expr)
-                for node in walk(expr):
-                    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
-                        found = True
-                        through_items = through_items or via_items
-                    elif isinstance(node, (ast.Name, ast.Attribute)):
-                        text = ast.unparse(node) if isinstance(node, ast.Attribute) else node.id
-                        if text in seen:
-                            continue
-                        seen.add(text)
-                        whole = summed or text in entries
-                        if isinstance(node, ast.Name):
-                            todo.extend((value, via_items, whole) for value, _ in info.assigns.get(node.id, ()))
-                        if whole:
-                            todo.extend((value, True, False) for value in items.get(text, ()))
-            self._words[key] = (found, found and through_items and not self._scaled_without_items(info))
+            found, through_items = _scaled_walk(info, _item_stores(fn.node))
+            # (and not so without the stores: the walk with none is the names' own)
+            self._words[key] = (found, found and through_items and not _scaled_walk(info, {})[0])
         return self._words[key]
-
-    @staticmethod
-    def _scaled_without_items(info) -> bool:
-        todo, seen = list(info.returns), set()
-        while todo:
-            for node in walk(todo.pop()):
-                if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
-                    return True
-                if isinstance(node, ast.Name) and node.id not in seen:
-                    seen.add(node.id)
-                    todo.extend(value for value, _ in info.assigns.get(node.id, ()))
-        return False
 
     # words that are no event by themselves: a call of a value (maybe a model), a way out, a wrapper made
     CALLS_ONLY = frozenset(("call", "exit", "wrap"))
@@ -347,6 +315,33 @@ def lightning_manual_step(fn, segment: str) -> bool:
     ``opt.step()`` every few batches)."""
     return fn.node.name == "training_step" and fn.cls is not None and "manual_backward(" in segment and \
         "automatic_optimization" in fn.module.segment(fn.cls.node) and len(fn.params) >= 3
+
+
+def _scaled_walk(info, items: dict) -> tuple:
+    """(does a division or multiplication reach what the function returns, was one reached only through
+    an entry stored into a container): the returns, the names' assignments, and the entries ``items``
+    stored into a container the returned loss sums (``sum(l for l in d.values())``, not a metrics
+    dict beside the loss)."""
+    found, through_items = False, False
+    todo, seen = [(e, False, False) for e in info.returns], set()
+    while todo:
+        expr, via_items, summed = todo.pop()
+        entries = _containers_summed(expr)
+        for node in walk(expr):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+                found = True
+                through_items = through_items or via_items
+            elif isinstance(node, (ast.Name, ast.Attribute)):
+                text = ast.unparse(node) if isinstance(node, ast.Attribute) else node.id
+                if text in seen:
+                    continue
+                seen.add(text)
+                whole = summed or text in entries
+                if isinstance(node, ast.Name):
+                    todo.extend((value, via_items, whole) for value, _ in info.assigns.get(node.id, ()))
+                if whole:
+                    todo.extend((value, True, False) for value in items.get(text, ()))
+    return found, through_items
 
 
 def _containers_summed(expr):

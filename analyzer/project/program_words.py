@@ -60,7 +60,7 @@ class Words:
                     elif sets_sync_flag(node):
                         out.add("require_backward_grad_sync")
                     targets = self.syntactic_targets(node, scope)
-                    if not targets and isinstance(func, ast.Attribute) and _STEPPING_METHOD.match(name):
+                    if not targets and isinstance(func, ast.Attribute) and vocab.STEPPING_METHOD.match(name):
                         out.add("step")          # ``model.optim_step()`` on an object we cannot follow
                     if targets is None:
                         out.add("call")          # a callable held in a variable or attribute: a model?
@@ -160,7 +160,7 @@ class Words:
                 if sym is not None and not isinstance(sym, GlobalRef):
                     return _callables(self.project, self.project.attribute(sym, func.attr))
             if any(_names_model(a) for a in list(call.args) + [k.value for k in call.keywords]) or (
-                    _STEPPING_METHOD.match(func.attr) and isinstance(base, ast.Name) and
+                    vocab.STEPPING_METHOD.match(func.attr) and isinstance(base, ast.Name) and
                     isinstance(scope, Function) and base.id in scope.params):
                 # ``self.task.train_step(sample, self.model, ...)``: an object we cannot trace, handed
                 # the model (see duck.py); or a parameter's method that steps
@@ -204,10 +204,6 @@ class Words:
         words.discard("wrap")
         self._words[fn.uid] = frozenset(words)
         return self._words[fn.uid]
-
-
-# a method whose name says it steps an optimizer, other than the optimizer's (or a scheduler's) own
-_STEPPING_METHOD = vocab.STEPPING_METHOD
 
 
 def _returned_classes(project, fn) -> list:

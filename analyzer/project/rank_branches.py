@@ -332,14 +332,14 @@ class _RankChecker(RankTests):
         for stmt in stmts:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
-            if isinstance(stmt, ast.If) and (not binding or _fold(stmt.test, binding) is _UNKNOWN) and \
-                    "single" in self._sides(stmt.test, fn, 0):
+            folded = _fold(stmt.test, binding) if binding and isinstance(stmt, (ast.If, ast.While)) else _UNKNOWN
+            read = self._sides(stmt.test, fn, 0) if isinstance(stmt, ast.If) and folded is _UNKNOWN else ()
+            if "single" in read:
                 # ``if not ddp: value = gather(value)`` with ``ddp = bool(world_size)``: that side runs in
                 # a job that is not distributed, where no collective can hang (as ``walk`` reads it),
                 # unless the literal arguments of this call decide the test (``distributed=False``)
-                single = self._sides(stmt.test, fn, 0)[0] == "single"
                 self._runs_calls(stmt.test, fn, binding, out)
-                self._runs_in(stmt.orelse if single else stmt.body, fn, binding, out)
+                self._runs_in(stmt.orelse if read[0] == "single" else stmt.body, fn, binding, out)
                 continue
             if isinstance(stmt, ast.If) and not stmt.orelse and _fallback_test(stmt.test, fn):
                 # ``dir_name = None; for h in handlers: ... dir_name = ...; if dir_name is None:
@@ -348,8 +348,7 @@ class _RankChecker(RankTests):
                 self._runs_calls(stmt.test, fn, binding, out)
                 continue
             if isinstance(stmt, (ast.If, ast.While)) and binding:
-                value = _fold(stmt.test, binding)
-                value = value if value is _UNKNOWN else bool(value)
+                value = folded if folded is _UNKNOWN else bool(folded)
                 self._runs_calls(stmt.test, fn, binding, out)
                 if value is not False:
                     self._runs_in(stmt.body, fn, binding, out)

@@ -18,7 +18,7 @@ from synccheck.analyzer.project.definitions import Function, GlobalRef, is_super
 from synccheck.analyzer.project.options import known_bool
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _argument, _first_arg, _kw, _parameter_sources, _sharded,
-                                                      _single_device, _strings, _text, _truthy)
+                                                      _single_device, _strings, _text, _truthy, module_or_itself)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper, _cap,
@@ -449,9 +449,7 @@ def _unwrapper_parameter(node) -> Optional[str]:
         # get_bare_model)
         name, step = body[1].value.id, body[0].body[0]
         if isinstance(step, ast.Assign) and len(step.targets) == 1 and isinstance(step.targets[0], ast.Name) and \
-                step.targets[0].id == name and isinstance(step.value, ast.Attribute) and step.value.attr == "module" and \
-                isinstance(step.value.value, ast.Name) and step.value.value.id == name and \
-                any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(body[0].test)):
+                step.targets[0].id == name and module_or_itself(step.value, body[1].value, body[0].test):
             return name
     if not body or not isinstance(body[0], ast.If) or len(body) > 2:
         return None
@@ -461,9 +459,6 @@ def _unwrapper_parameter(node) -> Optional[str]:
         return None
     for inside, plain in ((test.body[0], rest[0]), (rest[0], test.body[0])):
         if isinstance(inside, ast.Return) and isinstance(plain, ast.Return) and \
-                isinstance(inside.value, ast.Attribute) and inside.value.attr == "module" and \
-                isinstance(inside.value.value, ast.Name) and isinstance(plain.value, ast.Name) and \
-                inside.value.value.id == plain.value.id and \
-                any(isinstance(n, ast.Name) and n.id == plain.value.id for n in ast.walk(test.test)):
+                module_or_itself(inside.value, plain.value, test.test):
             return plain.value.id
     return None

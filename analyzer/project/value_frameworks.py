@@ -219,7 +219,7 @@ def _harmless_use(stmt, name: str) -> bool:
     # keeps the adapter's parameters in the network object and hooks the frozen module's forward: the
     # module gains no trainable parameter
     allowed |= {id(a) for node in walk_no_defs(stmt)
-                if isinstance(node, ast.Call) and _ADAPTER_HOLDER.fullmatch(_called(node))
+                if isinstance(node, ast.Call) and _ADAPTER_HOLDER.fullmatch(called_name(node))
                 for a in list(node.args) + [k.value for k in node.keywords] if isinstance(a, ast.Name)}
     prepared = isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
         isinstance(stmt.value.func, ast.Attribute) and stmt.value.func.attr in ("prepare", "prepare_model")
@@ -228,11 +228,6 @@ def _harmless_use(stmt, name: str) -> bool:
 
 
 _ADAPTER_HOLDER = re.compile(r"create_network(?:_from_weights)?|apply_to")
-
-
-def _called(call) -> str:
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
 def _comprehension_source(arg, scope):

@@ -212,3 +212,11 @@ def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:
             for value, _ in values.info(scope).assigns.get(node.id, ()):
                 out.extend(_parameter_sources(value, scope, values, depth + 1))
     return out
+
+
+def module_or_itself(inside, plain, test) -> bool:
+    """Is ``inside`` ``x.module`` and ``plain`` ``x``, for the name ``x`` that ``test`` reads (one side of
+    an unwrap: ``x.module if is_parallel(x) else x``)?"""
+    return isinstance(inside, ast.Attribute) and inside.attr == "module" and isinstance(plain, ast.Name) and \
+        isinstance(inside.value, ast.Name) and inside.value.id == plain.id and \
+        any(isinstance(n, ast.Name) and n.id == plain.id for n in ast.walk(test))

@@ -43,7 +43,7 @@ from synccheck.analyzer.project.value_helpers import (CALL_WORD, _ARITHMETIC, _O
                                                       _argument, _arithmetic, _call_lines, _calls_named,
                                                       _class_attrs, called_name, _first_arg, _kw, _mentions, _named,
                                                       _parameter_sources, _reaching, _single_device, _symbol_of,
-                                                      _strings, _text, _truthy, parameter_default)
+                                                      _strings, _text, _truthy, module_or_itself, parameter_default)
 from synccheck.analyzer.project.value_types import (_BUILTINS, EMPTY, MAX_CALLERS, MAX_DEPTH, MAX_PARAM_DEPTH,
                                                     MAX_KEY_REDONE, MAX_REDONE, MAX_VALUES, MAX_WORK, ONE_UNKNOWN, UNKNOWN,
                                                     Accumulator, Bag, Bound, Cls, Const, Ctx, CtxFactory, Ext,
@@ -403,9 +403,7 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
 def _unwrapping(node: ast.IfExp):
     """The name of ``x.module if <test of x> else x`` (either way round), or None."""
     for inside, plain in ((node.body, node.orelse), (node.orelse, node.body)):
-        if isinstance(inside, ast.Attribute) and inside.attr == "module" and isinstance(plain, ast.Name) and \
-                isinstance(inside.value, ast.Name) and inside.value.id == plain.id and \
-                any(isinstance(n, ast.Name) and n.id == plain.id for n in ast.walk(node.test)):
+        if module_or_itself(inside, plain, node.test):
             return plain
     return None
 

@@ -118,10 +118,10 @@ def _enclosing(module, node):
 def _mean_times_count(node) -> bool:
     """``F.cross_entropy(logits, y) * y.numel()`` / ``loss * ntokens``: a mean times the number of
     examples it was over, a sum."""
-    from synccheck.analyzer.project.event_methods import _count_of_examples
+    from synccheck.analyzer.project.event_methods import count_of_examples
     return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and (
-        _count_of_examples(node.right) and isinstance(node.left, ast.Call) or
-        _count_of_examples(node.left) and isinstance(node.right, ast.Call))
+        count_of_examples(node.right) and isinstance(node.left, ast.Call) or
+        count_of_examples(node.left) and isinstance(node.right, ast.Call))
 
 
 def _sums_its_loss(program, model, info) -> bool:
