@@ -87,12 +87,12 @@ def set_epoch(program, found) -> dict:
     module, call, name = found.module, found.node, found.name
 
     def make():
-        if not re.fullmatch(r"(self\.)?[A-Za-z_]\w*", name or ""):
+        if not re.fullmatch(r"(self\.)?[A-Za-z_]\w*(\.sampler)?", name or ""):
             raise NoFix("the sampler is not bound to a plain name")
         tree = Tree.of(module)
         scope = _scope(tree, call)
         loops = [n for n in walk(module.tree) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
-                 and "epoch" in n.target.id.lower() and _scope(tree, n) is scope and n.lineno > call.lineno
+                 and "epoch" in n.target.id.lower() and _scope(tree, n) is scope and n.lineno >= call.lineno
                  and any(isinstance(x, (ast.For, ast.While)) for s in n.body for x in walk(s))]
         if len(loops) != 1:
             raise NoFix("there is not exactly one epoch loop after the sampler in the same function")

@@ -13,6 +13,7 @@ import zlib
 from typing import Optional
 
 from synccheck.analyzer.project.scopes import _names as _target_names
+from synccheck.analyzer.project.traversal import walk_no_defs
 
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -35,7 +36,7 @@ def _path_tail(path: str) -> str:
 class Function:
     """A function or method of an indexed module."""
     __slots__ = ("node", "module", "qualname", "cls", "parent", "params", "contextmanager", "uid", "locals",
-                 "nested", "info", "_hash", "__weakref__")
+                 "nested", "info", "_hash", "_nodes", "__weakref__")
 
     def __init__(self, node, module: "Module", qualname: str, cls: Optional["Class"], parent: Optional["Function"]):
         self.node = node
@@ -52,6 +53,14 @@ class Function:
         self.locals: Optional[set] = None       # names the function binds (filled by values.py on demand)
         self.nested: dict = {}                   # name -> Function defined inside this one
         self.info = None                         # what it binds (scopes.ScopeInfo, filled on demand)
+        self._nodes: Optional[list] = None
+
+    def nodes(self) -> list:
+        """Every node of the function, its nested definitions not entered (``traversal.walk_no_defs``,
+        walked once)."""
+        if self._nodes is None:
+            self._nodes = walk_no_defs(self.node)
+        return self._nodes
 
     @property
     def is_method(self) -> bool:

@@ -401,7 +401,7 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
 
 def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
     """The argument ``fn`` returns as it was handed (every ``return`` is that parameter), else None."""
-    nodes = walk_no_defs(fn.node)
+    nodes = fn.nodes()
     returns = [n.value for n in nodes if isinstance(n, ast.Return)]
     names = {r.id for r in returns if isinstance(r, ast.Name)}
     if len(names) != 1 or len(returns) != len([r for r in returns if isinstance(r, ast.Name)]):

@@ -106,3 +106,50 @@ def _defaults(tree) -> dict:
             value = None
         out[name] = value
     return out
+
+
+def keyword_argument(call: ast.Call, name: str, info, depth: int = 0):
+    """The expression given for keyword ``name``: spelled out, or inside a ``**cfg`` whose dict is
+    built in this function (``dict(...)`` or ``{...}``, then ``cfg.update(more)``), or a ``**{...}`` literal."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    for k in call.keywords:
+        if k.arg is None and isinstance(k.value, ast.Name):
+            found = _dict_entry(k.value.id, name, info, depth)
+            if found is not None:
+                return found
+        elif k.arg is None and isinstance(k.value, ast.Dict):      # ``**{"shuffle": False}``
+            found = _literal_entry(k.value, name)
+            if found is not None:
+                return found
+    return None
+
+
+def _dict_entry(var: str, key: str, info, depth: int):
+    if depth > 3:
+        return None
+    sources = [value for value, path in info.assigns.get(var, ()) if not path]
+    sources += [c.args[0] for c in info.calls if c.args and isinstance(c.func, ast.Attribute) and
+                c.func.attr == "update" and isinstance(c.func.value, ast.Name) and c.func.value.id == var]
+    for value in sources:
+        if isinstance(value, ast.Dict):
+            found = _literal_entry(value, key)
+            if found is not None:
+                return found
+        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
+            found = keyword_argument(value, key, info, depth + 1)
+            if found is not None:
+                return found
+        elif isinstance(value, ast.Name):
+            found = _dict_entry(value.id, key, info, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _literal_entry(value: ast.Dict, key: str):
+    for k, v in zip(value.keys, value.values):
+        if isinstance(k, ast.Constant) and k.value == key:
+            return v
+    return None

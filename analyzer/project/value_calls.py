@@ -15,7 +15,7 @@ from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function, GlobalRef, is_super_call, qualified_name
-from synccheck.analyzer.project.options import known_bool
+from synccheck.analyzer.project.options import keyword_argument, known_bool
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _argument, _first_arg, _kw, _parameter_sources, _sharded,
                                                       _single_device, _strings, _text, _truthy, module_or_itself)
@@ -172,10 +172,10 @@ class CallValues:
                     return frozenset((Framework("fabric", site, "no", _single_device(call), _sharded(call)),))
                 if vocab.tail(base) in vocab.SAMPLER_TAILS and base != qual:
                     # ``class ShardAwareSampler(DistributedSampler)``: its order is seeded by ``self.epoch`` too
-                    return _sampler(call, site)
+                    return _sampler(call, site, self.info(scope))
             if callee.cls.node.name == "DistributedSampler" and _epoch_seeded_copy(callee.cls):
                 # a project's own copy of torch's sampler (DB's data_loader.py): the same contract
-                return _sampler(call, site)
+                return _sampler(call, site, self.info(scope))
             return frozenset((Inst(callee.cls),))
         if isinstance(callee, Inst):
             method = self.project.attribute(callee.cls, "__call__")
@@ -258,7 +258,7 @@ class CallValues:
         if last in vocab.NATIVE_SCALER_TAILS:
             return frozenset((NativeScaler(site),))
         if last in vocab.SAMPLER_TAILS:
-            return _sampler(call, site)
+            return _sampler(call, site, self.info(scope))
         if last in vocab.LOADER_TAILS:
             self.sites[site] = (call, scope)
             return frozenset((Loader(site),))
@@ -394,9 +394,10 @@ def _epoch_seeded_copy(klass) -> bool:
                n.value.id == "self" for n in ast.walk(methods["__iter__"].node))
 
 
-def _sampler(call: ast.Call, site) -> frozenset:
-    """The DistributedSampler (or a subclass) ``call`` makes; ``shuffle=False`` says no epoch reseeds it."""
-    shuffle = next((kw.value for kw in call.keywords if kw.arg == "shuffle"), None)
+def _sampler(call: ast.Call, site, info) -> frozenset:
+    """The DistributedSampler (or a subclass) ``call`` makes; ``shuffle=False`` says no epoch reseeds it
+    (spelled out, or in a ``**kwargs`` dict built beside it)."""
+    shuffle = keyword_argument(call, "shuffle", info)
     return frozenset((Sampler(site, isinstance(shuffle, ast.Constant) and shuffle.value is False),))
 
 

@@ -234,7 +234,7 @@ def _comprehension_source(arg, scope):
     """The iterable of the comprehension of ``scope`` whose variable is ``arg`` (a name), or None."""
     if not isinstance(arg, ast.Name) or not isinstance(scope, Function):
         return None
-    for node in walk_no_defs(scope.node):
+    for node in scope.nodes():
         if isinstance(node, ast.comprehension) and isinstance(node.target, ast.Name) and \
                 node.target.id == arg.id and isinstance(node.iter, (ast.Name, ast.Attribute)):
             return node.iter

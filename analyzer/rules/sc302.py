@@ -52,7 +52,7 @@ class SamplerWithoutSetEpoch(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan_more
-        from synccheck.analyzer.project.static import samplers_without_set_epoch
+        from synccheck.analyzer.project.samplers import samplers_without_set_epoch
 
         for found in samplers_without_set_epoch(ctx.program):
             named = found.name != "the sampler"

@@ -1,0 +1,140 @@
+"""SC302 where the DistributedSampler is made in a builder of another file: said where the linted
+script takes the loader, and reseeded only by a set_epoch of the same program."""
+from pathlib import Path
+
+from projectlib import found, write_project
+
+BUILDER = """
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+
+    def build_loader(dataset, batch_size):
+        sampler = DistributedSampler(dataset, shuffle=True)
+        return DataLoader(dataset, sampler=sampler, batch_size=batch_size)
+"""
+
+# a script whose loader comes from the builder and is never reseeded
+UNSEEDED = """
+    import torch
+
+    from data.builder import build_loader
+
+
+    def main(model, dataset, val_dataset, optimizer, epochs):
+        train_loader = build_loader(dataset, 32)
+        val_loader = build_loader(val_dataset, 64)
+        for epoch in range(epochs):
+            for x, y in train_loader:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            evaluate(model, val_loader)
+"""
+
+# the same script that reseeds it through the loader
+SEEDED = UNSEEDED.replace("            for x, y in train_loader:",
+                          "            train_loader.sampler.set_epoch(epoch)\n            for x, y in train_loader:")
+
+
+def _line(text: str, needle: str) -> int:
+    return next(i for i, line in enumerate(text.lstrip("\n").splitlines(), 1) if needle in line)
+
+
+def test_builder_out_of_view_is_reported_where_the_script_takes_the_loader(tmp_path):
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": UNSEEDED})
+    # (only train.py linted, as a pre-commit hook does: the builder is context)
+    got = found(root, [root / "train.py"])
+    assert got == {("train.py", _line(UNSEEDED, "train_loader = build_loader"), "SC302")}
+
+
+def test_a_script_that_reseeds_the_loader_it_takes_is_clean(tmp_path):
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": SEEDED})
+    assert found(root, [root / "train.py"]) == set()
+    assert found(root) == set()
+
+
+def test_a_shared_builder_reseeded_by_one_script_only(tmp_path):
+    # train.py reseeds its loader; finetune.py takes one from the same builder and does not: the
+    # other script's set_epoch does not reseed finetune's sampler
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": SEEDED,
+                                    "finetune.py": UNSEEDED})
+    assert found(root) == {("finetune.py", _line(UNSEEDED, "train_loader = build_loader"), "SC302")}
+
+
+def test_a_builder_called_by_one_script_is_still_reported_at_the_sampler(tmp_path):
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": UNSEEDED})
+    assert found(root) == {("data/builder.py", _line(BUILDER, "DistributedSampler(dataset"), "SC302")}
+
+
+FIT = """
+    import torch
+
+
+    def fit(model, optimizer, train_loader, num_epoch):
+        for epoch in range(0, num_epoch):
+            for x, y in train_loader:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+"""
+
+RUN = """
+    from data.builder import build_loader
+    from engine import fit
+
+
+    def run(model, optimizer, dataset, config):
+        train_loader = build_loader(dataset, config["batch_size"])
+        fit(model, optimizer, train_loader, config["epochs"])
+"""
+
+
+def test_a_loop_handed_the_loader_is_told_at_its_epoch_loop(tmp_path):
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "engine.py": FIT,
+                                    "run.py": RUN})
+    got = found(root, [root / "engine.py"])
+    assert got == {("engine.py", _line(FIT, "for epoch in range"), "SC302")}
+
+
+def test_the_fix_reseeds_the_loader_the_script_takes(tmp_path):
+    from synccheck.analyzer.cli import lint_main
+
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": UNSEEDED})
+    assert lint_main(["--isolated", "--no-cache", "-q", "--fix", "--unsafe-fixes", str(root / "train.py")]) == 0
+    text = Path(root / "train.py").read_text()
+    assert "train_loader.sampler.set_epoch(epoch)" in text
+    assert found(root, [root / "train.py"]) == set()
+
+
+SPLAT = """
+    import torch
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+
+    def train(model, dataset, optimizer, epochs):
+        sampler_args = {{"shuffle": {shuffle}, "drop_last": False}}
+        sampler = DistributedSampler(dataset, **sampler_args)
+        other = DistributedSampler(dataset, **{{"shuffle": {shuffle}}})
+        for epoch in range(epochs):
+            for x, y in DataLoader(dataset, sampler=sampler, batch_size=8):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            for x, y in DataLoader(dataset, sampler=other, batch_size=8):
+                pass
+"""
+
+
+def test_shuffle_off_through_a_keyword_dict_needs_no_set_epoch(tmp_path):
+    # (mbzuai-oryx/groundingLMM: ``DistributedSampler(ds, **{"shuffle": False, ...})``)
+    root = write_project(tmp_path / "off", {"train.py": SPLAT.format(shuffle=False)})
+    assert found(root) == set()
+    text = SPLAT.format(shuffle=True)
+    root = write_project(tmp_path / "on", {"train.py": text})
+    assert found(root) == {("train.py", _line(text, "sampler = DistributedSampler"), "SC302"),
+                           ("train.py", _line(text, "other = DistributedSampler"), "SC302")}
