@@ -113,6 +113,9 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
         # several models from one forward are alternatives (a helper called with a different DDP
         # model by each script), not one loss through several models (a GAN's generator loss)
         shared = len({f.site for f in forwards if f.model in mine}) > 1 and not any(mine <= o for o in together)
+        # (a GAN's generator loss, ``D(G(z))``: G's own optimizer decides G's window; D's grads from it
+        # are a by-product)
+        first = next((f.model for f in forwards if f.model in mine), None)
         for model in sorted(mine, key=repr):
             old = next((t for t in tokens if t.model == model), None)
             if old is not None:
@@ -146,7 +149,8 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                                             guard)
             outside = model.kind in vocab.FORWARD_DECIDES and not model.sharded and fwd is not None and \
                 fwd.decided == "off" and now == "on"
-            tokens.append(Token(model, site, synced, by, outside, misses, loops, shared))
+            shared_here = shared and not (model == first and any(model in o and len(o) < len(mine) for o in together))
+            tokens.append(Token(model, site, synced, by, outside, misses, loops, shared_here))
         yield prop._replace(tokens=tuple(tokens), forwards=tuple(forwards)), guard
 
     _each(st, transfer)
