@@ -142,9 +142,10 @@ class RankTests:
                 return "other"
         return None
 
-    def _rank_valued(self, node, scope) -> bool:
+    def _rank_valued(self, node, scope, depth: int = 0) -> bool:
         """``device_id = int(os.environ["LOCAL_RANK"])``, ``self.gpu = dist.get_rank()``: a name or an
-        attribute of ``self`` bound once to a process rank, whatever it is called."""
+        attribute of ``self`` bound once to a process rank, whatever it is called (``self.device_id =
+        device_id`` in ``__init__``: what every construction hands it)."""
         value = None
         if isinstance(node, ast.Name):
             value = self._bound(node, scope)[0]
@@ -153,10 +154,28 @@ class RankTests:
                 node.value.id == scope.params[0]:
             stored = self._stored_once(scope.cls, node.attr)
             value = stored[0] if stored is not None else None
+            if isinstance(value, ast.Name) and stored[1].node.name == "__init__" and value.id in stored[1].params \
+                    and depth < 2:
+                return self._handed_a_rank(stored[1], value.id, depth)
         if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "int" and \
                 len(value.args) == 1:
             value = value.args[0]
         return isinstance(value, (ast.Call, ast.Subscript, ast.Attribute)) and _rank_source(value)
+
+    def _handed_a_rank(self, fn, name: str, depth: int) -> bool:
+        """Does a call of ``fn`` hand parameter ``name`` a process rank (``Trainer(..., device_id, ...)``
+        with ``device_id = int(os.environ["LOCAL_RANK"])``), and none a number other than -1 or 0?
+        (Scripts written for an older signature may hand that place something else.)"""
+        from synccheck.analyzer.project.value_helpers import _argument
+        index = fn.params.index(name)
+        handed = False
+        for caller, call, shift in self.values.callers(fn):
+            arg = _argument(call, fn, name, index, shift)
+            if isinstance(arg, ast.Constant) and arg.value not in (-1, 0, None):
+                return False
+            if arg is not None and (RANK_NAME.search(ast.unparse(arg)) or self._rank_valued(arg, caller, depth + 1)):
+                handed = True
+        return handed
 
     def _accessor_return(self, node, scope):
         """``self.can_checkpoint`` where the class defines ``can_checkpoint`` as a property (or a method

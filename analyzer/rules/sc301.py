@@ -6,12 +6,12 @@ from synccheck.analyzer.rules.base import Rule
 RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process|is_local_main_process|"
                   r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
                   r"is_local_process_zero|main_process|is_main|is_chief|is_global_main|is_local_main|"
-                  r"is_global_master|is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker)(?!\w)")
+                  r"is_global_master|is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker|device_id)(?!\w)")
 RANK_TEST = re.compile(RANK_TEST_TEXT, re.I)     # (``os.environ.get("RANK", "0") == "0"``)
 # Substrings that between them cover every name RANK_TEST accepts ("master" for nanoGPT's `master_process`
 # as well as `is_master`): the text pre-check looks for these before any regex runs.
 RANK_WORDS = ("rank", "RANK", "main_process", "master", "global_zero", "process_zero", "is_main", "is_chief",
-              "is_global_main", "is_local_main")
+              "is_global_main", "is_local_main", "device_id")
 CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "strategy.")
 
 
