@@ -192,6 +192,8 @@ class _RankChecker(RankTests):
                 runs = self.runs(fn, _literal_arguments(node, fn, {}))
                 if runs:
                     found.append((node, sorted(runs)[0], side, test, True))
+                    if self._guarded:
+                        self.guarded.add(id(node))
                     break
 
     def _sided_calls(self, expr, side, test, scope):
