@@ -36,6 +36,7 @@ def collectives_in_rank_branches(program) -> list:
             continue
         scopes = [module] + list(module.functions.values())
         paired: dict = {}       # class uid -> what its __enter__ and __exit__ run, balanced together
+        sided: list = []        # (scope, the collectives on a side of its rank tests)
         for scope in scopes:
             body = scope.node.body if isinstance(scope, Function) else module.script_body()
             found: list = []
@@ -50,10 +51,25 @@ def collectives_in_rank_branches(program) -> list:
                 # ``__enter__``, the main rank's in ``__exit__``; every rank runs one
                 paired.setdefault(scope.cls.uid, []).extend(found)
                 continue
-            out.extend(_unbalanced(module, found, checker.guarded))
+            sided.append((scope, found))
+        # a function whose other ranks serve the main rank in a loop: the main rank's collectives there
+        # (and in the functions nested in it, a closure the optimizer calls) are its requests
+        for scope, found in sided:
+            outer = scope
+            while isinstance(outer, Function) and outer.uid not in checker.serving:
+                outer = outer.parent
+            if (outer.uid if isinstance(outer, Function) else module.path) not in checker.serving:
+                out.extend(_unbalanced(module, found, checker.guarded))
         for found in paired.values():
             out.extend(_unbalanced(module, found, checker.guarded))
     return out
+
+
+def _serving_loop(stmt) -> bool:
+    """``while True:`` on one side of a rank test: the other ranks serve the main rank's requests
+    (a demo's workers waiting in ``barrier`` / ``broadcast_object_list`` for each prompt, a signal
+    loop answering the main rank's closure), as many collectives as it sends, not a count to match."""
+    return isinstance(stmt, ast.While) and isinstance(stmt.test, ast.Constant) and bool(stmt.test.value)
 
 
 _ENTER_EXIT = ("__enter__", "__exit__", "__aenter__", "__aexit__")
@@ -93,6 +109,7 @@ class _RankChecker(RankTests):
         self._full_state_dict: list = []     # the models of the ``with FSDP.state_dict_type(model, FULL_STATE_DICT)`` around
         self._guarded = 0                    # how many tests other than the ranks' guard the walk here
         self.guarded: set = set()            # ids of the collectives found under such a test, on one side
+        self.serving: set = set()            # the scopes with a serving loop on one side (_serving_loop)
 
     def _extra_condition(self, test, scope) -> bool:
         """Is ``test`` a rank test joined by ``and`` to a test that is not about the ranks or the job?"""
@@ -141,6 +158,10 @@ class _RankChecker(RankTests):
                 continue
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
+            if side is not None and _serving_loop(stmt):
+                if self._serves(stmt, scope):
+                    self.serving.add(scope.uid if isinstance(scope, Function) else scope.path)
+                continue
             if isinstance(stmt, ast.Match) and side is None and self._rank_match(stmt, scope):
                 # ``match dist.get_rank(): case 0: ... case _: ...``: the cases are rank branches
                 subject = ast.unparse(stmt.subject)
@@ -166,6 +187,14 @@ class _RankChecker(RankTests):
             del self._full_state_dict[len(self._full_state_dict) - len(full):]
             for handler in getattr(stmt, "handlers", ()):
                 self.walk(handler.body, side, test, scope, found)
+
+    def _serves(self, loop, scope) -> bool:
+        """Does the serving loop run a collective (itself or through a project function)?"""
+        for call in walk(loop):
+            if isinstance(call, ast.Call) and (self.collective(call, scope) or any(
+                    self.runs(fn) for fn in self.program.syntactic_targets(call, scope) or ())):
+                return True
+        return False
 
     def _rank_match(self, stmt, scope) -> bool:
         """A ``match`` on the rank: its subject reads one, and one case is rank 0."""
@@ -332,7 +361,7 @@ class _RankChecker(RankTests):
 
     def _runs_in(self, stmts, fn: Function, binding: dict, out: set) -> None:
         for stmt in stmts:
-            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or _serving_loop(stmt):
                 continue
             folded = _fold(stmt.test, binding) if binding and isinstance(stmt, (ast.If, ast.While)) else _UNKNOWN
             read = self._sides(stmt.test, fn, 0) if isinstance(stmt, ast.If) and folded is _UNKNOWN else ()
