@@ -69,7 +69,16 @@ def _serving_loop(stmt) -> bool:
     """``while True:`` on one side of a rank test: the other ranks serve the main rank's requests
     (a demo's workers waiting in ``barrier`` / ``broadcast_object_list`` for each prompt, a signal
     loop answering the main rank's closure), as many collectives as it sends, not a count to match."""
-    return isinstance(stmt, ast.While) and isinstance(stmt.test, ast.Constant) and bool(stmt.test.value)
+    # (or ``while has_data: dist.broadcast(has_data, src=0)``: the loop goes on while the main rank's
+    # broadcast says so, returnn's evaluation on rank 0)
+    if not isinstance(stmt, ast.While):
+        return False
+    if isinstance(stmt.test, ast.Constant):
+        return bool(stmt.test.value)
+    tested = {n.id for n in walk(stmt.test) if isinstance(n, ast.Name)}
+    return any(isinstance(n, ast.Call) and any(isinstance(a, ast.Name) and a.id in tested for a in n.args)
+               and isinstance(n.func, ast.Attribute) and n.func.attr.startswith(("broadcast", "recv", "all_reduce"))
+               for s in stmt.body for n in walk(s))
 
 
 _ENTER_EXIT = ("__enter__", "__exit__", "__aenter__", "__aexit__")
