@@ -449,7 +449,7 @@ def _fallback_test(test, fn: Function) -> bool:
 
 
 # a method name that says the method talks to the other ranks
-_COMMUNICATING = re.compile(r"sync|reduce|gather|barrier|broadcast|between_processes")
+_COMMUNICATING = re.compile(r"sync|reduce|gather|barrier|broadcast|between_processes|average_all|mean_all|avg_all")
 
 
 def _full_state_dict_models(stmt) -> list:

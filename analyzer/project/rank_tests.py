@@ -17,9 +17,10 @@ RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(?<!lora_)(?<!low_)(?<!adapter_)(?<!svd
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
                        r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
                        r"is_main|rank_zero|is_master_process|is_chief|ddp_rank|is_global_main|is_local_main|is_global_master|"
-                       r"is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker)(?![A-Za-z0-9])",
+                       r"is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker|is_root_worker|"
+                       r"is_local_root_worker|is_root_process|is_root_rank)(?![A-Za-z0-9])",
                        re.I)
-MAIN_WORDS = ("main", "master", "zero", "chief")
+MAIN_WORDS = ("main", "master", "zero", "chief", "root")
 # a process's rank number, tested as a truth value
 _RANK_NUMBER = re.compile(r"(?:^|[._])(?:rank|global_rank|local_rank|get_rank|get_local_rank|node_rank|process_index|"
                           r"local_process_index|ddp_rank)$", re.I)

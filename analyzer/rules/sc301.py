@@ -1,4 +1,5 @@
 import re
+import sys
 
 from synccheck.analyzer.imports import line_matches
 from synccheck.analyzer.rules.base import Rule
@@ -6,12 +7,13 @@ from synccheck.analyzer.rules.base import Rule
 RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process|is_local_main_process|"
                   r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
                   r"is_local_process_zero|main_process|is_main|is_chief|is_global_main|is_local_main|"
-                  r"is_global_master|is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker|device_id)(?!\w)")
+                  r"is_global_master|is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker|device_id|"
+                  r"is_root_worker|is_local_root_worker|is_root_process|is_root_rank)(?!\w)")
 RANK_TEST = re.compile(RANK_TEST_TEXT, re.I)     # (``os.environ.get("RANK", "0") == "0"``)
 # Substrings that between them cover every name RANK_TEST accepts ("master" for nanoGPT's `master_process`
 # as well as `is_master`): the text pre-check looks for these before any regex runs.
 RANK_WORDS = ("rank", "RANK", "main_process", "master", "global_zero", "process_zero", "is_main", "is_chief",
-              "is_global_main", "is_local_main", "device_id")
+              "is_global_main", "is_local_main", "device_id", "is_root", "is_local_root")
 CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "strategy.")
 
 
@@ -83,7 +85,9 @@ def _rank_if_lines(text: str):
     for name in bound:
         if RANK_TEST.fullmatch(name):
             continue                        # (its ``if`` lines were found above)
-        test = re.compile(r"^([ \t]*)(?:el)?if[ \t(]+(?:not[ \t]+)?" + re.escape(name) + r"\b[^\n]*:[ \t]*(?:#[^\n]*)?$", re.M)
+        # (``if is_root:``, ``if i % 10 == 0 and is_root:``)
+        test = re.compile(r"^([ \t]*)(?:el)?if[ \t(]+(?:[^\n]*[^\w.])?" + re.escape(name) + r"\b[^\n]*:[ \t]*(?:#[^\n]*)?$",
+                          re.M)
         for match in test.finditer(text):
             yield match.end(), len(match.group(1))
 
@@ -208,6 +212,7 @@ def _rank_branch_calls(text: str) -> bool:
     return False
 
 
+_IMPORT = re.compile(r"^[ \t]*import[ \t]+([\w.]+)(?:[ \t]+as[ \t]+(\w+))?[ \t]*(?:#[^\n]*)?$", re.M)
 _FROM_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+\(?([^)\n]*)", re.M)
 # modules that are never this project's own: a rank branch calling into them cannot hide a collective
 # of the project (torch's own collectives are found by their names anyway)
@@ -224,17 +229,22 @@ def _rank_branch_calls_imported(text: str) -> bool:
         if not dots and module.split(".")[0] in _EXTERNAL:
             continue
         imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
+    for module, alias in line_matches(_IMPORT, text, "import"):
+        # ``import backends`` (``utils.dist``: ``import utils.dist as du``)
+        if module.split(".")[0] not in _EXTERNAL and module.split(".")[0] not in sys.stdlib_module_names:
+            imported.add(alias or module.split(".")[0])
     if not imported:
         return False
     if any(d in imported and _RANK_DECORATOR_WORDS.search(d) for d in _DECORATOR_NAME.findall(text)):
         return True     # ``@leader_only()`` from the project: its wrapper may meet the ranks in a barrier
-    # and the objects made from them (``tracker = MeanTracker(device)``; ``tracker.synced_mean()``)
+    # and the objects made from them (``tracker = MeanTracker(device)``; ``tracker.synced_mean()``;
+    # ``backend = distributed_utils.set_backend(args)``; ``backend.average_all(loss)``)
     made = {name for name, cls in _MADE_FROM.findall(text) if cls in imported}
     return any(imported.intersection(CALLED.findall(body)) or (imported | made).intersection(MODULE_CALLED.findall(body))
                for body in _rank_blocks(text))
 
 
-_MADE_FROM = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*(\w+)\(", re.M)
+_MADE_FROM = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*(\w+)(?:\.\w+)?\(", re.M)
 _DECORATOR_NAME = re.compile(r"^[ \t]*@(\w+)", re.M)
 # a decorator whose name says it is about the ranks (torch's own files use dozens of other decorators)
 _RANK_DECORATOR_WORDS = re.compile(r"leader|main|rank|master|zero|primary|chief|barrier|sync", re.I)
