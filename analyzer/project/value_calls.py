@@ -194,11 +194,11 @@ class CallValues:
                                        else scope.text):
             return False
         info = self.info(scope)
-        for n in ast.walk(node):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "_set_static_graph" \
-                    and isinstance(n.func.value, ast.Name) and any(
-                        value is call for value, _ in info.assigns.get(n.func.value.id, ())):
-                return True
+        for n, tests in _calls_with_tests(node, "_set_static_graph"):
+            if isinstance(n.func.value, ast.Name) and any(value is call for value, _ in info.assigns.get(n.func.value.id, ())):
+                # (``if use_static_graph: model._set_static_graph()``: only when the option is on on a
+                # run with default options, KAIR's off by default)
+                return all(known_bool(self, test, scope) is True for test in tests)
         return False
 
     def _static_graph_in(self, node, scope) -> bool:
@@ -383,6 +383,23 @@ class CallValues:
         if arg is None:
             return EMPTY
         return self.expr(arg, scope)
+
+
+def _calls_with_tests(node, attr: str) -> list:
+    """(call, the tests that hold where it runs: of each ``if`` whose body holds it, negated for an
+    ``else``) for each ``x.attr(...)`` under ``node``."""
+    ifs = [n for n in walk_no_defs(node) if isinstance(n, ast.If)]
+    out = []
+    for n in walk_no_defs(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == attr:
+            tests = []
+            for branch in ifs:
+                if any(s.lineno <= n.lineno <= (s.end_lineno or s.lineno) for s in branch.body):
+                    tests.append(branch.test)
+                elif any(s.lineno <= n.lineno <= (s.end_lineno or s.lineno) for s in branch.orelse):
+                    tests.append(ast.UnaryOp(ast.Not(), branch.test))
+            out.append((n, tests))
+    return out
 
 
 def _epoch_seeded_copy(klass) -> bool:
