@@ -138,3 +138,42 @@ def test_shuffle_off_through_a_keyword_dict_needs_no_set_epoch(tmp_path):
     root = write_project(tmp_path / "on", {"train.py": text})
     assert found(root) == {("train.py", _line(text, "sampler = DistributedSampler"), "SC302"),
                            ("train.py", _line(text, "other = DistributedSampler"), "SC302")}
+
+
+LOADERS = """
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+
+    def plain_loader(dataset):
+        return DataLoader(dataset, batch_size=8, shuffle=True)
+
+
+    def dist_loader(dataset):
+        return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset))
+"""
+
+BRANCHED = """
+    import torch
+
+    from loaders import dist_loader, plain_loader
+
+
+    def train(model, dataset, optimizer, epochs, distributed):
+        if not distributed:
+            loader = plain_loader(dataset)
+        else:
+            loader = dist_loader(dataset)
+        for epoch in range(epochs):
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+"""
+
+
+def test_the_binding_that_takes_the_distributed_loader_is_the_one_told(tmp_path):
+    # (dennis9707/Post2Vec: the single-process loader is bound first, the distributed one in the else)
+    root = write_project(tmp_path, {"loaders.py": LOADERS, "train.py": BRANCHED})
+    assert found(root, [root / "train.py"]) == {("train.py", _line(BRANCHED, "loader = dist_loader"), "SC302")}

@@ -115,6 +115,27 @@ class Records:
 NON_BOUNDARY = ("superseded", "wiped")
 
 
+# a test of whether the job is distributed at all (not ``n_gpu > 1``: DataParallel's, one GPU per
+# DDP process in the same scripts)
+_DISTRIBUTED_JOB = re.compile(r"distributed|is_initialized|is_dist\b|world_size|\bddp\b|use_ddp|use_dist", re.I)
+
+
+def _distributed_value(text: str) -> Optional[bool]:
+    """The truth value of a test (an atom's text) in a distributed job: ``args.distributed`` True,
+    ``not dist.is_initialized()`` False, ``world_size == 1`` False; None for any other test."""
+    if not _DISTRIBUTED_JOB.search(text):
+        return None
+    try:
+        test = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(test, ast.BoolOp):
+        return None
+    from synccheck.analyzer.project.rank_tests import _single_side
+    on_true, on_false = _single_side(test)
+    return False if on_true == "single" else True if on_false == "single" else None
+
+
 class Population:
     """The micro-steps of one model in one loop: the tokens of every backward it runs there, and
     how they were resolved, grouped by the step's gate."""
@@ -137,6 +158,15 @@ class Population:
                 # wrapper (or a plain module on other runs): for this model's micro-steps the test holds
                 holds = flow.atoms.formula(flow.atoms.atoms[k], True)
                 records = [r[:4] + (r[4] & holds,) for r in records if r[4] & holds]
+        if getattr(model, "kind", None) in ("ddp", "fsdp"):
+            # ``model.no_sync() if args.distributed and last else nullcontext()``: a DDP wrapper exists
+            # only in a distributed job, so for its micro-steps a test of being distributed holds
+            for atom in flow.atoms.atoms:
+                value = _distributed_value(atom.text)
+                if value is not None:
+                    holds = flow.atoms.formula(atom, value)
+                    kept = [r[:4] + (r[4] & holds,) for r in records if r[4] & holds]
+                    records = kept if kept else records
         all_records = records
         records = [r for r in records if r[1] == "stepped" or (r[3] and not r[0].shared)
                    or (r[1] == "wiped" and _gated_window(r[0], hand) and not r[0].shared)]

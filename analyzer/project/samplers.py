@@ -52,7 +52,10 @@ def samplers_without_set_epoch(program) -> list:
     for module in program.project.modules():
         if "Sampler" in module.text:
             names |= _class_aliases(module.tree, names)
+    parsed_before = set(map(id, program.project.modules()))
     _follow_loaders(program)
+    # (the files parsed only to follow the loaders are not where the program loops over epochs)
+    followed = {id(m) for m in program.project.modules()} - parsed_before
     made = []
     for name in sorted(names):
         for scope, call in values.calls(name):
@@ -126,11 +129,11 @@ def samplers_without_set_epoch(program) -> list:
             sites = [site for site in _takers(program, sampler)
                      if not any(m is module or m is site[0] or _import_related(m, site[0])
                                 for m in seeded.get(sampler, ())) and
-                     (not module.linted or _EPOCH_LOOP.search(site[0].text))]
+                     _loops_over_epochs(site[0])]
         if not sites:
             continue
         if epoch_loop is None:
-            epoch_loop = _has_epoch_loop(program)
+            epoch_loop = _has_epoch_loop(program, followed)
         if not epoch_loop:
             continue
         for site_module, node, name, site_scope in sites:
@@ -195,6 +198,10 @@ def _takers(program, sampler) -> list:
                 if sampler in held or any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler")
                                           for v in held):
                     loader = not any(v == sampler for v in held)
+                    # (the binding that holds it: ``loader = dist_loader(...)`` in the else of
+                    # ``if single: loader = plain_loader(...)``)
+                    made = next((value for value, path in bound if type(value) is ast.Call and _holds(
+                        values, values.unpack(values.expr(value, scope), path, value, scope), sampler)), made)
                     out.append((module, made, f"{name}.sampler" if loader else name, scope))
     if not out:
         # ``def train_validate_test(model, optimizer, train_loader, ...)``: handed the loader, it loops
@@ -226,6 +233,11 @@ def _epoch_loop_of(fn) -> Optional[ast.For]:
                                           and "epoch" in ast.unparse(node.iter).lower()):
             return node
     return None
+
+
+def _holds(values, held, sampler) -> bool:
+    return sampler in held or any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler")
+                                  for v in held)
 
 
 def _returns_name(scope, name: str) -> bool:
@@ -366,7 +378,7 @@ def _epoch_stores(program) -> list:
     return out
 
 
-def _has_epoch_loop(program) -> bool:
+def _has_epoch_loop(program, skip: frozenset = frozenset()) -> bool:
     """Does the program loop over epochs? The files parsed so far, and the text of those the
     analysis has not needed to parse (which of them it needed depends on what it followed)."""
     project = program.project
@@ -374,25 +386,35 @@ def _has_epoch_loop(program) -> bool:
         text = project.catalog_text(apath) if apath in project.catalog else None
         if text is not None and _EPOCH_LOOP.search(text):
             return True
+    return any(_loops_over_epochs(module) for module in program.project.modules() if id(module) not in skip)
+
+
+def _loops_over_epochs(module) -> bool:
+    """Does the module loop over epochs?"""
+    if _EPOCH_LOOP.search(module.text):
+        return True
     # (loops are statements: the statements of each tree are looked at, not every node)
-    for module in program.project.modules():
-        for node in block_nodes(module.tree):
-            if isinstance(node, (ast.For, ast.While)):
-                # (``for epoch in ...``; ``while self._epoch < self._max_epochs:``, mmcv's runner)
-                target = ast.unparse(node.target) if isinstance(node, ast.For) else ast.unparse(node.test)
-                if "epoch" in target.lower():
-                    return True
-                if isinstance(node, ast.For) and _counts(node, module) and "epoch" in ast.unparse(node.iter).lower():
-                    return True     # ``for i in range(args.epoch): train(i, loader, ...)``
-                if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and \
-                        _counts(node, module) and _TRAINS.search(module.segment(node) or ""):
-                    # (a loop that trains, or yields batches: not a dataset's ``while len(pick) < n: for sub in ...``)
-                    return True
-                if _refills_an_iterator(node):
-                    return True
+    for node in block_nodes(module.tree):
+        if isinstance(node, (ast.For, ast.While)):
+            # (``for epoch in ...``; ``while self._epoch < self._max_epochs:``, mmcv's runner)
+            target = ast.unparse(node.target) if isinstance(node, ast.For) else ast.unparse(node.test)
+            if "epoch" in target.lower():
+                return True
+            if isinstance(node, ast.For) and _counts(node, module) and "epoch" in ast.unparse(node.iter).lower() and \
+                    any(isinstance(n, ast.Call) and (_RUNS_AN_EPOCH.search(called_name(n) or "") or any(
+                        isinstance(a, ast.Name) and _LOADER_NAME.search(a.id) for a in n.args))
+                        for b in node.body for n in walk(b)):
+                return True     # ``for i in range(args.epoch): train(i, loader, ...)``
+            if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and \
+                    _counts(node, module) and _TRAINS.search(module.segment(node) or ""):
+                # (a loop that trains, or yields batches: not a dataset's ``while len(pick) < n: for sub in ...``)
+                return True
+            if _refills_an_iterator(node):
+                return True
     return False
 
 
+_RUNS_AN_EPOCH = re.compile(r"(?i)train|fit|epoch")
 _TRAINS = re.compile(r"backward\(|\.step\(|train|fit\(|run_epoch|epoch|yield")
 
 
