@@ -366,7 +366,9 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
             # (only one that divides by a number of micro-steps: a loss module's own means,
             # ``sum(nll) / batch_size``, are not the window's, and its other code is not a micro-step's)
             method = flow.project.attribute(v.cls, "forward")
-            if isinstance(method, Function) and _divides_by_a_count(method):
+            if isinstance(method, Function) and (_divides_by_a_count(method) or _held_models(flow, v)):
+                # (or a module that holds the DDP model and runs it, NVIDIA's ``ModelAndLoss``:
+                # ``self.model = DDP(self.model)`` in its ``distributed()``, ``self.model(data)`` in forward)
                 return _call_target(flow, node, Bound(method, v), recv, args, kws, st, fr)
             return None
         if not isinstance(method, Function):
