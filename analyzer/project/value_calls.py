@@ -206,6 +206,11 @@ class CallValues:
         ``dict(static_graph=True, ...)``) is bound in the same scope or at the module's top."""
         if not isinstance(node, ast.Name):
             return False
+        if isinstance(scope, Function) and scope.node.args.kwarg is not None and scope.node.args.kwarg.arg == node.id:
+            # ``def create_ddp_model(model, **kwargs): return DDP(model, **kwargs)``: what its callers
+            # pass by keyword (Pointcept's ``create_ddp_model(model, static_graph=True)``)
+            return any(kw.arg == "static_graph" and self._set_true(kw.value, caller)
+                       for caller, call, _ in self.callers(scope) for kw in call.keywords)
         for value, _ in self.bound_expressions(node.id, scope):
             if isinstance(value, ast.Dict):
                 if any(isinstance(k, ast.Constant) and k.value == "static_graph" and self._set_true(v, scope)
