@@ -334,12 +334,19 @@ def _items_loop(loop) -> bool:
 
 
 def _steps_each(loop) -> bool:
-    """``for opt in opts: opt.step()`` (or ``opt.zero_grad()``, or ``scaler.step(opt)``): a loop over
-    optimizers, which runs at least once."""
+    """``for opt in opts: opt.step()`` (or ``opt.zero_grad()``, ``scaler.step(opt)``, ``for i in ids:
+    optimizers[i].step()``): a loop over optimizers, which runs at least once."""
     return _acts_on_each(loop, lambda n, name: isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and (
-        n.func.attr in ("step", "zero_grad") and isinstance(n.func.value, ast.Name) and n.func.value.id == name or
-        n.func.attr == "step" and len(n.args) == 1 and isinstance(n.args[0], ast.Name) and n.args[0].id == name and
+        n.func.attr in ("step", "zero_grad") and _names_it(n.func.value, name) or
+        n.func.attr == "step" and len(n.args) == 1 and _names_it(n.args[0], name) and
         "scaler" in ast.unparse(n.func.value).lower()))
+
+
+def _names_it(node, name: str) -> bool:
+    """``opt`` (the loop's name), or ``optimizers[idx]`` indexed by it."""
+    if isinstance(node, ast.Subscript):
+        node = node.slice
+    return isinstance(node, ast.Name) and node.id == name
 
 
 def _flags_each(loop) -> bool:
