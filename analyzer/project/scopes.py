@@ -18,7 +18,8 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
-                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores", "imports")
+                 "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores", "imports",
+                 "annotated")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -38,6 +39,7 @@ class ScopeInfo:
         self.fors: dict = {}             # name -> [(iterated expr, unpack path)]   (for name in expr)
         self.item_stores: dict = {}      # name -> [(key or None, value expr)]   (name[key] = value)
         self.imports: dict = {}          # name -> (module, attribute or None, level): imports in the body
+        self.annotated: dict = {}        # name -> the annotation of ``name: T = value``
 
     def reaching(self, name: str, line: int) -> Optional[tuple]:
         """Which of ``assigns[name]`` can reach a use of the name on ``line``: (their indexes, whether
@@ -100,6 +102,8 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
             if stmt.value is not None:
                 _expr(stmt.value, info)
                 _bind(stmt.target, stmt.value, (), info, self_name)
+                if isinstance(stmt.target, ast.Name):
+                    info.annotated[stmt.target.id] = stmt.annotation
             elif isinstance(stmt.target, ast.Name):
                 info.locals.add(stmt.target.id)
         elif isinstance(stmt, ast.AugAssign):

@@ -33,7 +33,7 @@ from synccheck.analyzer.project.definitions import Function, enclosing_function
 from synccheck.analyzer.project.state import EnvVal, Prop, origin_of
 from synccheck.analyzer.project.value_calls import made_per_call
 from synccheck.analyzer.project.traversal import walk_no_defs
-from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, site_of
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, Obj, Unknown, site_of
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
 from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
 from synccheck.analyzer.project.entry_points import per_call_loop, then_call
@@ -158,7 +158,13 @@ class Flow(Branches, Loops):
             return st
         if t is ast.AnnAssign:
             if s.value is not None:
-                events.assign(self, s.target, self.expr(s.value, st, fr), s, st, fr)
+                value = self.expr(s.value, st, fr)
+                if isinstance(s.target, ast.Name) and all(isinstance(v, (Unknown, Obj)) for v in value.values):
+                    # ``engine: TrainingEngine = registry.construct(...)``: what the annotation names
+                    named = self.values.annotated_instance(fr.module, s.annotation, s.value)
+                    if named:
+                        value = value._replace(alts=((TRUE, named),))
+                events.assign(self, s.target, value, s, st, fr)
             return st
         if t is ast.AugAssign:
             value = self.expr(s.value, st, fr)

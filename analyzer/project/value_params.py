@@ -119,10 +119,27 @@ class ParameterValues:
             # ``def run(state: TrainState, ...)`` called out of view: an instance of the record class it
             # names (not of a module class: what is handed in may be that module's wrapper)
             named = self._annotated_class(fn, name)
-            if named is not None and not self.record_fields(named):
+            if named is not None and not self.record_fields(named) and any(
+                    b.rpartition(".")[2] == "Module" for b in self.project.external_bases(named)):
                 named = None
-            out.add(Inst(named) if named is not None else Obj((fn.module.path, node.lineno, node.col_offset, name)))
+            if named is not None and not self.record_fields(named):
+                # (an engine or trainer class, ``engine: TrainingEngine``: an instance of it, or of the
+                # subclasses that fill its hooks)
+                out |= self.annotated_instance(fn.module, _annotation_of(fn, name), fn.node) or {Inst(named)}
+            else:
+                out.add(Inst(named) if named is not None else Obj((fn.module.path, node.lineno, node.col_offset, name)))
         return frozenset(out)
+
+    def annotated_instance(self, module, annotation, node) -> frozenset:
+        """What a binding annotated with a project class holds when its value is out of view: an
+        instance of that class, or of its concrete subclasses when it leaves hooks to them (an abstract
+        engine whose one implementation wraps the model); a wrapper the annotation names. EMPTY when
+        the annotation names neither."""
+        wrapper, klass = self.annotated(module, annotation, node)
+        if wrapper or klass is None:
+            return wrapper
+        classes = self._concrete(list(self.project.subclasses(klass)))
+        return frozenset(Inst(k) for k in classes) if len(classes) <= MAX_MADE_CLASSES else EMPTY
 
     def _annotated_class(self, fn: Function, name: str):
         for arg in fn.node.args.posonlyargs + fn.node.args.args + fn.node.args.kwonlyargs:
@@ -359,3 +376,10 @@ class ParameterValues:
         if isinstance(v, Cls) and fn.node.name == "__init__" and fn.cls in self.project.mro(v.cls):
             return 1
         return None if not isinstance(v, Func) else None
+
+
+def _annotation_of(fn: Function, name: str):
+    for arg in fn.node.args.posonlyargs + fn.node.args.args + fn.node.args.kwonlyargs:
+        if arg.arg == name:
+            return arg.annotation
+    return None

@@ -240,6 +240,9 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
             self._provisional[key] = frozenset(out)
         for value, path in ordered:
             got = self.unpack(self.expr(value, fn), path, value, fn)
+            if name in info.annotated and not path and all(isinstance(v, (Unknown, Obj)) for v in got):
+                # ``engine: TrainingEngine = registry.construct(...)``: what the annotation names
+                got = self.annotated_instance(fn.module, info.annotated[name], value) or got
             if path and got == ONE_UNKNOWN and type(value) is ast.Call:
                 # ``text_encoder, vae, unet = load(...)`` from code we cannot follow: still one object
                 # each, known by the place that bound it (so ``raw = unet`` and a later
