@@ -565,7 +565,9 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
         if kind != "wiped" or not (across or _gated_window(token, flow.program.managed_models())):
             continue
         ran = flow.records.zero_ran.get(resolver, 0) & universe
-        if ran and not ran & ~steps and fixed(ran) & fixed(guard):
+        # (where it wipes a micro-step: ``if boundary: zero_grad()`` then ``if use_plain: backward()
+        # ... step()``, a run with ``use_plain`` off has nothing to wipe and no step, Metric3D)
+        if ran and not ran & guard & ~steps and fixed(ran) & fixed(guard):
             return resolver, token, pop, 0, True
     return None
 
