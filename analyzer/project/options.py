@@ -129,6 +129,10 @@ def keyword_argument(call: ast.Call, name: str, info, depth: int = 0):
 def _dict_entry(var: str, key: str, info, depth: int):
     if depth > 3:
         return None
+    for stored, value in getattr(info, "item_stores", {}).get(var, ()):
+        # ``trainer_kwargs["strategy"] = DDPStrategy(static_graph=True)`` (latent-diffusion's main.py)
+        if stored == key:
+            return value
     sources = [value for value, path in info.assigns.get(var, ()) if not path]
     sources += [c.args[0] for c in info.calls if c.args and isinstance(c.func, ast.Attribute) and
                 c.func.attr == "update" and isinstance(c.func.value, ast.Name) and c.func.value.id == var]
