@@ -329,16 +329,20 @@ class Components:
         for path, imports in ordered:
             if path in where:
                 continue
-            hit = set()
+            hit, files = set(), []
             for level, name in imports:
                 for target in module_paths(path, level, name, self.roots):
                     if target in where:
                         hit.add(self.find(target))
+                        files.append(target)
                         break
-            if len(hit) >= 2 or (hit and (path.endswith("__init__.py") or driver_script(path))):
+            if len(hit) >= 2 or (hit and (path.endswith("__init__.py") or driver_script(path) or
+                                          _subclasses_one(path, files))):
                 # (or a script whose loop may drive the one it imports: ``model.optimize_parameters(...)``
                 # in train.py, which says none of our words; parsed only if the analysis finds it drives
-                # a training function nothing else calls, program.drivers_of)
+                # a training function nothing else calls, program.drivers_of; or a file that subclasses
+                # a class of the group, ``class MyTask(Runner)`` filling the hook the loop calls: read
+                # only when the analysis asks for the subclasses)
                 for root in hit:
                     self.union(path, root)
                 joiners.append(path)
@@ -349,6 +353,21 @@ class Components:
         for path in members + joiners:
             out.setdefault(self.find(path), []).append(path)
         return list(out.values())
+
+
+_CLASS_WITH_BASE = re.compile(r"^[ \t]*class[ \t]+\w+[ \t]*\([ \t]*([\w.]+)", re.M)
+
+
+def _subclasses_one(path: str, imported: list) -> bool:
+    """Does the file define a class on a base that a file it imports (of the group) defines?"""
+    data = _read(path)
+    if not data or "class " not in data:
+        return False
+    bases = {b.rpartition(".")[2] for b in _CLASS_WITH_BASE.findall(data)} - {"object"}
+    if not bases:
+        return False
+    defines = re.compile(r"^[ \t]*class[ \t]+(?:" + "|".join(map(re.escape, sorted(bases))) + r")\b", re.M)
+    return any(defines.search(_read(target) or "") for target in imported)
 
 
 _SCRIPT_NAME = re.compile(r"(?:^|_)(?:train|main|run|finetune|pretrain)(?:_|\.py$)", re.I)
