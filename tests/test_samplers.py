@@ -177,3 +177,32 @@ def test_the_binding_that_takes_the_distributed_loader_is_the_one_told(tmp_path)
     # (dennis9707/Post2Vec: the single-process loader is bound first, the distributed one in the else)
     root = write_project(tmp_path, {"loaders.py": LOADERS, "train.py": BRANCHED})
     assert found(root, [root / "train.py"]) == {("train.py", _line(BRANCHED, "loader = dist_loader"), "SC302")}
+
+
+KEPT = """
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+
+    def build_loader(dataset):
+        sampler = DistributedSampler(dataset, shuffle=True)
+        pre_epoch = sampler.set_epoch
+        return DataLoader(dataset, sampler=sampler, batch_size=8), pre_epoch
+
+
+    def train(model, dataset, optimizer, epochs):
+        loader, pre_epoch = build_loader(dataset)
+        for epoch in range(epochs):
+            {reseed}
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+"""
+
+
+def test_a_bound_set_epoch_kept_to_call_later_reseeds(tmp_path):
+    # (zd11024/NaviLLM: ``pre_epoch = sampler.set_epoch``, called by the loader wrapper each epoch)
+    root = write_project(tmp_path / "kept", {"loaders.py": KEPT.format(reseed="pre_epoch(epoch)")})
+    assert found(root) == set()

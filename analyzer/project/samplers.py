@@ -102,6 +102,11 @@ def samplers_without_set_epoch(program) -> list:
                 seeded.setdefault(v, set()).add(values.module_of(scope))
             elif isinstance(v, (Unknown, Obj, Ext)):
                 unknown = True
+    # ``pre_epoch = sampler.set_epoch`` (a bound method kept and called later, NaviLLM)
+    for scope, receiver in _set_epoch_kept(program):
+        for v in values.expr(receiver, scope):
+            if isinstance(v, Sampler):
+                seeded.setdefault(v, set()).add(values.module_of(scope))
     # ``self.sampler.epoch = epoch``: what set_epoch does, written by hand
     for scope, receiver in _epoch_stores(program):
         for v in values.expr(receiver, scope):
@@ -361,6 +366,28 @@ def _prepared_loaders(program) -> set:
 
 _EPOCH_LOOP = re.compile(r"^[ \t]*(?:(?:async[ \t]+)?for[ \t]+[\w, ()]*epoch\w*[\w, ()]*[ \t]+in[ \t]|"
                          r"while[ \t][^\n:]*epoch[^\n:]*[<>][^\n]*:)", re.MULTILINE | re.IGNORECASE)
+
+
+_SET_EPOCH_KEPT = re.compile(r"\.set_epoch\b(?![ \t]*\()")
+
+
+def _set_epoch_kept(program) -> list:
+    """(scope, receiver) of each ``receiver.set_epoch`` read without being called (kept to call later)."""
+    out = []
+    for module in program.project.modules():
+        if not _SET_EPOCH_KEPT.search(module.text):
+            continue
+        for scope in [module] + list(module.functions.values()):
+            calls = set()
+            nodes = scope.nodes() if isinstance(scope, Function) else walk_no_defs(scope.tree)
+            for node in nodes:
+                if isinstance(node, ast.Call):
+                    calls.add(id(node.func))
+            for node in nodes:
+                if isinstance(node, ast.Attribute) and node.attr == "set_epoch" and isinstance(node.ctx, ast.Load) \
+                        and id(node) not in calls:
+                    out.append((scope, node.value))
+    return out
 
 
 def _epoch_stores(program) -> list:
