@@ -323,6 +323,9 @@ class Components:
         members = [p for group in groups for p in group]
         where = set(members)
         joiners = []
+        # (a library's package, torch's own: its test files subclass the classes of every module; a
+        # training project's user code fills a framework's hooks)
+        small = len(members) + len(others) <= MAX_SUBCLASSING_PROJECT
         # a package's __init__ that imports a member first (it is how ``from models import build_model``
         # reaches ``models/sr_model.py``), then the files that import members or those
         ordered = sorted(others.items(), key=lambda item: not item[0].endswith("__init__.py"))
@@ -337,7 +340,7 @@ class Components:
                         files.append(target)
                         break
             if len(hit) >= 2 or (hit and (path.endswith("__init__.py") or driver_script(path) or
-                                          _subclasses_one(path, files))):
+                                          small and _subclasses_one(path, files))):
                 # (or a script whose loop may drive the one it imports: ``model.optimize_parameters(...)``
                 # in train.py, which says none of our words; parsed only if the analysis finds it drives
                 # a training function nothing else calls, program.drivers_of; or a file that subclasses
@@ -355,6 +358,7 @@ class Components:
         return list(out.values())
 
 
+MAX_SUBCLASSING_PROJECT = 400
 _CLASS_WITH_BASE = re.compile(r"^[ \t]*class[ \t]+\w+[ \t]*\([ \t]*([\w.]+)", re.M)
 
 
