@@ -28,6 +28,18 @@ class FirstTurn:
         left, right, op = node.left, node.comparators[0], type(node.ops[0])
         if isinstance(left, ast.Constant):
             left, right, op = right, left, _MIRRORED.get(op, op)      # ``0 < i`` is ``i > 0``
+        if op is ast.Eq and isinstance(left, ast.Name) and isinstance(right, (ast.Name, ast.Attribute)):
+            # ``epoch == self.start_epoch`` on ``for epoch in range(self.start_epoch, ...)``: true on
+            # that loop's first iteration (EfficientViT syncs the very first micro-step so)
+            loop = self.flow.counter_loop_from(ast.dump(left), ast.dump(right), fr)
+            if loop is None and isinstance(fr.scope, Function) and left.id in fr.scope.params and \
+                    "epoch" in left.id.lower() and "start" in ast.unparse(right).lower() and self.flow.loop_stack:
+                # (``def train_one_epoch(self, epoch)`` handed the epoch loop's counter: the first
+                # epoch is the outermost running loop's first turn)
+                loop = self.flow.loop_stack[0]
+            if loop is not None:
+                atom.first = (loop, True)
+            return
         if not (isinstance(right, ast.Constant) and type(right.value) is int):
             return
         if isinstance(left, ast.Attribute):

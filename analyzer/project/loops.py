@@ -15,6 +15,7 @@ from typing import Optional
 from synccheck.analyzer.project import events
 from synccheck.analyzer.project.flow_state import Frame, St, _merge_props, _same  # noqa: F401
 from synccheck.analyzer.project.guards import TRUE, exists
+from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.state import EnvVal, Prop, Token
 from synccheck.analyzer.project.values import ONE_UNKNOWN
 from synccheck.analyzer.parse import dotted as _dotted
@@ -301,6 +302,18 @@ class Loops:
             if in_callee:
                 self.atom_in_callee.add(atom.index)
         self.atom_loops.setdefault(atom.index, set()).update(self.loop_stack)
+
+    def counter_loop_from(self, counter_dump: str, start_dump: str, fr: Frame):
+        """The id of the running ``for x in range(start, n)`` whose counter is ``x`` and whose start
+        is written ``start`` (``epoch == self.start_epoch`` on ``range(self.start_epoch, epochs)``)."""
+        for ctx in reversed(fr.loops):
+            node = ctx.info.node
+            if ctx.counter and counter_dump == ast.dump(ast.Name(ctx.counter, ast.Load())) and \
+                    isinstance(node, (ast.For, ast.AsyncFor)) and isinstance(node.iter, ast.Call) and \
+                    called_name(node.iter) == "range" and len(node.iter.args) >= 2 and \
+                    ast.dump(node.iter.args[0]) == start_dump:
+                return ctx.info.id
+        return None
 
     def counter_loop(self, counter_dump: str, fr: Frame):
         for ctx in reversed(fr.loops):
