@@ -90,9 +90,13 @@ class AttributeValues:
         for klass in self.project.mro(inst.cls):
             if attr in klass.methods:
                 return self._method_value(klass.methods[attr], inst)
-            for scope, value, path in _class_attrs(self, klass).get(attr, ()):
+            stores = _class_attrs(self, klass).get(attr, ())
+            rewritten = _rewritten_stores(stores, attr) if len(stores) > 1 else ()
+            for scope, value, path in stores:
                 if replaced and isinstance(scope, Function) and scope.cls is klass and scope.node.name == "__init__":
                     continue        # a base's constructor stored it; the subclass's replaced it after
+                if id(value) in rewritten:
+                    continue        # ``self.optimizer = AdamW(...)``, then ``... = accelerator.prepare(self.optimizer)``
                 if path == ITEM:
                     out.add(Bag(_cap(self.expr(value, scope)), True))
                     continue
@@ -228,3 +232,30 @@ def _attribute_annotations(klass) -> dict:
 
 
 _ANNOTATIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _rewritten_stores(stores, attr: str) -> set:
+    """The ids of the values stored in ``self.attr`` that a later statement of the same method's own
+    body replaces with something made from them (``self.model, self.optimizer =
+    self.accelerator.prepare(self.model, self.optimizer)`` after ``self.optimizer = AdamW(...)``):
+    every call of the method ends with the later value."""
+    out = set()
+    by_scope: dict = {}
+    for scope, value, path in stores:
+        if isinstance(scope, Function):
+            by_scope.setdefault(id(scope), (scope, []))[1].append(value)
+    for scope, values in by_scope.values():
+        if len(values) < 2:
+            continue
+        body_values = {id(stmt.value) for stmt in scope.node.body if isinstance(stmt, (ast.Assign, ast.AnnAssign))
+                       and stmt.value is not None}
+        self_name = scope.params[0] if scope.params else None
+        last = None
+        for value in values:
+            if id(value) in body_values and any(
+                    isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and
+                    n.value.id == self_name for n in ast.walk(value)):
+                last = value if last is None or value.lineno > last.lineno else last
+        if last is not None:
+            out |= {id(v) for v in values if v.lineno < last.lineno}
+    return out
