@@ -354,6 +354,9 @@ class Conditions(FirstTurn):
             if no:
                 false |= guard
         if not true:
+            if all(no and all(isinstance(v, Wrapper) and v.kind in DECIDED_KINDS for v in no) for _, _, no in split):
+                # ``isinstance(model, FSDP)`` on a model that is a DDP wrapper on every path: false
+                return FALSE, TRUE
             return None if len(split) == 1 else (true, false)
         if not true & false:
             return true, false

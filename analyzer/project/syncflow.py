@@ -384,6 +384,19 @@ class Flow(Branches, Loops):
                         site = site_of(caller_module, call)
                         self.records.node(site, caller_module, call)
                         return site
+            elif module is loop_module and len(self.call_stack) > depth and self.call_stack[depth][0] is module:
+                best = enclosing_function(module, node)
+                if best is not None and best.cls is None and _loss_is_a_parameter(node, best) and \
+                        len(best.node.body) <= 6 and not any(
+                        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+                        n.func.attr in ("step", "zero_grad") for n in best.nodes()):
+                    # a small helper of the same file handed the loop's loss (``backward(loss, scaler)``
+                    # with a scaler branch and a plain one): the finding is the loop's, at its call,
+                    # once whichever branch runs
+                    caller_module, call = self.call_stack[depth]
+                    site = site_of(caller_module, call)
+                    self.records.node(site, caller_module, call)
+                    return site
         return site_of(module, node)
 
     def _holds_the_micro_step(self, module, node) -> bool:
