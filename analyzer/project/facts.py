@@ -586,11 +586,18 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
         if kind != "wiped" or not (across or _gated_window(token, flow.program.managed_models())):
             continue
         ran = flow.records.zero_ran.get(resolver, 0) & universe
-        # (where it wipes a micro-step: ``if boundary: zero_grad()`` then ``if use_plain: backward()
-        # ... step()``, a run with ``use_plain`` off has nothing to wipe and no step, Metric3D)
-        if ran and not ran & guard & ~steps and fixed(ran) & fixed(guard):
+        # (judged where it wipes a micro-step when it is written before that backward: ``if boundary:
+        # zero_grad()`` then ``if use_plain: backward() ... step()``, a run with ``use_plain`` off has
+        # nothing to wipe and no step, Metric3D; one written after the backward clears what was stepped)
+        where = ran & guard if _written_before(resolver, token.site) else ran
+        if ran and not where & ~steps and fixed(ran) & fixed(guard):
             return resolver, token, pop, 0, True
     return None
+
+
+def _written_before(a, b) -> bool:
+    """Is site ``a`` (path, line, column) a line of the same file above site ``b``?"""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
 
 
 def accumulating_backwards(flow) -> list:
