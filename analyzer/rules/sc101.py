@@ -150,7 +150,7 @@ class SyncEveryMicrostep(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan
-        from synccheck.analyzer.project.facts import wasted
+        from synccheck.analyzer.project.micro_step_facts import wasted
 
         for flow in ctx.flows:
             for site, model, outcomes, group in wasted(flow):

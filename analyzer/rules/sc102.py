@@ -100,7 +100,7 @@ class NoSyncMissesForward(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan
-        from synccheck.analyzer.project.facts import missed_forward
+        from synccheck.analyzer.project.micro_step_facts import missed_forward
 
         for flow in ctx.flows:
             for by, site, model, kind in missed_forward(flow):

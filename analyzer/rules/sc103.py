@@ -127,7 +127,7 @@ class UnsyncedStep(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan
-        from synccheck.analyzer.project.facts import unsynced_steps
+        from synccheck.analyzer.project.micro_step_facts import unsynced_steps
 
         for flow in ctx.flows:
             for step_site, token, outcomes, group in unsynced_steps(flow):

@@ -80,7 +80,7 @@ class StaticGraphNoSync(Rule):
     """)
 
     def check(self, ctx):
-        from synccheck.analyzer.project.facts import first_iteration_off
+        from synccheck.analyzer.project.micro_step_facts import first_iteration_off
 
         from synccheck.analyzer.project.static import (accelerate_static_graph_accumulation,
                                                        lightning_static_graph_accumulation)

@@ -80,7 +80,7 @@ class ZeroGradEveryMicrostep(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan_more
-        from synccheck.analyzer.project.facts import wiped
+        from synccheck.analyzer.project.micro_step_facts import wiped
 
         for flow in ctx.flows:
             for site, token, outcomes, group, at_boundary in wiped(flow):

@@ -83,7 +83,7 @@ class UnscaledAccumulatedLoss(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan_more
-        from synccheck.analyzer.project.facts import accumulating_backwards
+        from synccheck.analyzer.project.micro_step_facts import accumulating_backwards
 
         for flow in ctx.flows:
             if _grads_rescaled(flow):

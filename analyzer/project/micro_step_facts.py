@@ -1,0 +1,340 @@
+"""Stage 7, part 2: what each rule asks of the micro-steps (facts.py groups them by model and loop):
+steps on unsynced gradients (SC103), wasted all-reduces (SC101), windows wiped by ``zero_grad``
+(SC201), backwards whose micro-steps accumulate (SC202), controls entered after the forward (SC102),
+a static graph's first micro-step off (SC106)."""
+from __future__ import annotations
+
+import ast
+import re
+from typing import Optional
+
+from synccheck.analyzer.project.facts import (NON_BOUNDARY, _gated_window, _late_wipes, _outside, assignments,
+                                              exists, populations)
+from synccheck.analyzer.project.state import PLAIN
+
+
+def unsynced_steps(flow) -> list:
+    """(step site, token, population, group) where every boundary micro-step of a gate group steps
+    on gradients that were never all-reduced: SC103's fact."""
+    out = []
+    for pop in populations(flow):
+        if not pop.data_parallel:
+            continue
+        found = _unsynced_group(flow, pop, pop.groups(("stepped",)), True)
+        for switches in _unsynced_splits(flow, pop):
+            if found is not None:
+                break
+            found = _unsynced_group(flow, pop, pop.groups(("stepped",), split=switches), False)
+            if found is not None:
+                pop.switches = switches
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _unsynced_splits(flow, pop):
+    """More atoms to tell the step's outcomes apart by, tried in turn when the gate alone finds no
+    unsynced boundary."""
+    # ``no_sync() if args.grad_accum > 1 else nullcontext()``: where the run accumulates, every
+    # boundary is unsynced (with one micro-step per step there is nothing to get wrong)
+    switches = _accumulation_switches(flow, pop)
+    if switches:
+        yield switches
+    if not pop.gate and not any(across for _, kind, _, across, _ in pop.records if kind == "stepped"):
+        # no accumulation: the optimizer steps after every batch, but sync is off on every N-1 of
+        # N (``no_sync() if (step + 1) % interval != 0``, a "sync every N batches" option without
+        # any averaging of the parameters): those steps apply each rank's own gradients. (Every
+        # micro-step is stepped in its own iteration: none waits for a later one's step.)
+        periodic = [a.index for a in flow.atoms.atoms if a.mod is not None]
+        if periodic:
+            yield periodic
+
+
+def _unsynced_group(flow, pop, groups: dict, by_gate: bool) -> Optional[tuple]:
+    for group, outcomes in groups.items():
+        if outcomes and (all(t.synced == "off" for t, _, _ in outcomes) or
+                         (by_gate and _synced_on_last_only(pop, group))) and \
+                not any(t.misses_forward and t.by is not None and _is_flag(flow, t.by) for t, _, _ in outcomes):
+            token, _, resolver = sorted(outcomes, key=repr)[0]
+            return resolver, token, pop, group
+    return None
+
+
+# ``args.grad_accum > 1``, ``self.accum_steps != 1``: whether the run accumulates at all
+_ACCUMULATES = re.compile(r"^\s*(?:not\s+)?\(?\s*[\w.\[\]'\"]+\s*(?:>|!=|>=|==|<=|<)\s*[12]\s*\)?\s*$")
+
+
+def _accumulation_switches(flow, pop) -> list:
+    """Atoms of tests on the accumulation count against 1 (``accum > 1``), on values the loop does
+    not change: they hold all run."""
+    from synccheck.analyzer.project.branches import _COUNT_WORDS
+    out = []
+    for atom, volatile in _plain_atoms(flow, pop):
+        # (a test in a method the loop calls reads the caller's objects: ``self.accum > 1`` holds all run)
+        stable = not volatile or (isinstance(atom.key, tuple) and atom.key[:1] == ("STABLE",))
+        if stable and _COUNT_WORDS.search(atom.text) and _ACCUMULATES.match(atom.text):
+            out.append(atom.index)
+    return out
+
+
+def _plain_atoms(flow, pop):
+    """(atom, volatile) for the atoms of plain tests: not the gate's, not a mod form, a loop's last
+    turn or a first-iteration test."""
+    for atom in flow.atoms.atoms:
+        if atom.index in pop.gate or atom.mod is not None or atom.loop is not None or atom.first is not None:
+            continue
+        yield atom, flow.atom_info.get(atom.index, ((), True))[1]
+
+
+def _synced_on_last_only(pop, group: int) -> bool:
+    """At the boundaries of a counter gate (``(i + 1) % accum == 0``), is sync on only on the loop's
+    last iteration (``model.no_sync() if i < n - 1 else nullcontext()``)? Every other boundary then
+    steps on gradients never all-reduced."""
+    atoms = pop.flow.atoms.atoms
+    last = [a.index for a in atoms if a.loop is not None and a.loop == pop.loop]
+    if len(last) != 1 or not any(atoms[k].mod is not None for k in pop.gate):
+        return False
+    gate_bits = 0
+    for k in pop.gate:
+        gate_bits |= 1 << k
+    last_bit = 1 << last[0]
+    universe = pop.flow.atoms.universe & pop.width_mask
+    unsynced = False
+    for token, kind, _, _, guard in pop.records:
+        if kind != "stepped":
+            continue
+        for a in assignments(guard & universe):
+            if a & gate_bits != group or a & last_bit:
+                continue
+            if token.synced != "off":
+                return False            # a boundary before the last one syncs
+            unsynced = True
+    return unsynced
+
+
+def wasted(flow) -> list:
+    """(backward site, model, population, group) where every accumulating micro-step of a gate group
+    all-reduced its gradients, all but the boundary's for nothing: SC101's fact."""
+    out = []
+    unsynced = {id(pop) for _, _, pop, _ in unsynced_steps(flow)}
+    for pop in populations(flow):
+        if not pop.data_parallel or not pop.accumulating or id(pop) in unsynced:
+            continue
+        if any(t.misses_forward or t.forward_outside for t, *_ in pop.records):
+            continue
+        found = _all_synced(pop, pop.groups(NON_BOUNDARY))
+        if found is None:
+            # ``if self.use_amp: with self.sync_ctx(sync): ... else: loss.backward()``: a switch that
+            # holds all run may leave one of its sides without a control
+            switches = _run_switches(flow, pop)
+            found = _all_synced(pop, pop.groups(NON_BOUNDARY, split=switches)) if switches else None
+            if found is not None:
+                pop.switches = switches
+        if found is not None:
+            out.extend(found)
+    return out
+
+
+def _all_synced(pop, groups: dict) -> Optional[list]:
+    for group, outcomes in groups.items():
+        if outcomes and all(t.synced == "on" for t, _, _ in outcomes):
+            return [(site, pop.model, pop, group) for site in sorted({t.site for t, kind, _ in outcomes})]
+    return None
+
+
+# a switch about the wrapper or its sync (``has_no_sync``, ``args.data_parallel in ["sdp", "fsdp"]``)
+# decides whether there is a control to use: its other side has none to forget
+_WRAPPER_WORDS = re.compile(r"sync|parallel|ddp|fsdp|sdp|shard|strateg|deepspeed|zero|accelerat|fabric|wrap", re.I)
+
+
+def _run_switches(flow, pop) -> list:
+    """Atoms of plain tests that hold all run (``self.use_amp``, ``args.fp16``): not the gate's, not
+    counts, loop turns or ranks, and tested on values the loop does not change."""
+    from synccheck.analyzer.project.branches import _COUNT_WORDS
+    from synccheck.analyzer.project.rank_tests import DISTRIBUTED_TEST, RANK_NAME
+    out = []
+    for atom, volatile in _plain_atoms(flow, pop):
+        if volatile or _COUNT_WORDS.search(atom.text) or RANK_NAME.search(atom.text) or \
+                DISTRIBUTED_TEST.search(atom.text) or _WRAPPER_WORDS.search(atom.text) or "(" in atom.text:
+            continue
+        if _chooses_the_backward(flow, pop, atom.index):
+            out.append(atom.index)
+    return out
+
+
+def _chooses_the_backward(flow, pop, k: int) -> bool:
+    """Do the micro-steps where atom k holds run other backwards than where it fails (``if use_amp:
+    scaler.scale(loss).backward() else: loss.backward()``)? A switch that only picks a VAE or a log
+    line tells no micro-steps apart."""
+    universe = flow.atoms.universe & pop.width_mask
+    sides: tuple = (set(), set())
+    for token, kind, _, _, guard in pop.records:
+        if kind not in NON_BOUNDARY:
+            continue
+        for a in assignments(guard & universe):
+            sides[a >> k & 1].add(token.site)
+    return bool(sides[0]) and bool(sides[1]) and sides[0] != sides[1]
+
+
+def _is_flag(flow, site) -> bool:
+    module, node = flow.records.nodes.get(site, (None, None))
+    return node is not None and type(node).__name__ in ("Assign", "AnnAssign")
+
+
+def wiped(flow) -> list:
+    """(zero_grad site, token, population, group, at_boundary) where every accumulating micro-step of a
+    gate group has its gradients thrown away before the step: SC201's fact. Also (``at_boundary``) a zero_grad that clears only
+    where the step comes, before that micro-step's backward (``if boundary: zero_grad()`` at the top
+    of the iteration, a prepared optimizer's ``zero_grad()`` first thing inside
+    ``accelerator.accumulate``): the window's earlier micro-steps are wiped at every step."""
+    out = []
+    for pop in populations(flow):
+        if not pop.stepped and not pop.records:
+            found = _wiped_every_turn(flow, pop)
+            if found is not None:
+                out.append(found)
+            continue
+        if not pop.stepped or not pop.accumulating:
+            continue
+        late = _late_wipes(flow, pop)
+        if late is not None:
+            out.append(late)
+            continue
+        hand = flow.program.managed_models()
+        if not any(kind == "wiped" and (across or _gated_window(t, hand)) for t, kind, _, across, _ in pop.records):
+            continue
+        # a switch that holds all run (``if self.accum_count == 1: optim.zero_grad()``) wipes every
+        # micro-step of the runs where it is on
+        boundary = flow.atoms.by_key.get(("ACCELERATE_SYNC_GRADIENTS",))
+        for group, outcomes in pop.groups(NON_BOUNDARY, split=sorted(flow.records.switches)).items():
+            if boundary is not None and pop.managed and group >> boundary.index & 1:
+                # where ``accelerator.sync_gradients`` holds, the micro-step is the window's last: a
+                # zero_grad there that no step follows drops the window on purpose (a NaN skip)
+                continue
+            if outcomes and all(kind == "wiped" for _, kind, _ in outcomes):
+                for token, kind, resolver in sorted(outcomes, key=repr):
+                    out.append((resolver, token, pop, group, False))
+                break
+        else:
+            found = _wiped_at_boundary(flow, pop)
+            if found is not None:
+                out.append(found)
+    return out
+
+
+def _wiped_every_turn(flow, pop) -> Optional[tuple]:
+    """nanoGPT's "flush the gradients" ``zero_grad()`` indented into the micro-step loop: every
+    micro-step's gradients, the last one's included, are wiped in their own turn, and the step comes
+    after the loop, on nothing. (at_boundary "all")"""
+    wipes = [r for r in pop.late_wipes if r[0].site is not None]
+    if not wipes:
+        return None
+    token, kind, resolver, across, guard = sorted(wipes, key=repr)[0]
+    # the step in a loop around this one (after it, in the same turn): not a later, separate loop's
+    around = set(flow.records.loops_at.get(resolver, ())) - {pop.loop}
+    if not any(_outside(flow, s, pop.loop) and flow.records.loops_at.get(s) and
+               set(flow.records.loops_at[s]) <= around for s in flow.records.reach):
+        return None
+    return resolver, token, pop, 0, "all"
+
+
+def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
+    """A zero_grad that clears only where the step is reached wiped a micro-step of an earlier turn
+    (one that agrees with it on the tests that do not change from turn to turn: ``if args.deepspeed``
+    sends every turn the same way)."""
+    if flow.atoms.overflowed:
+        # a test past the atom table is modelled as either way: a step behind it looks reached on
+        # every micro-step, and "only where the step is reached" would be said of any zero_grad
+        return None
+    universe = flow.atoms.universe & pop.width_mask
+    steps = 0
+    for token, kind, resolver, across, guard in pop.records:
+        if kind == "stepped":
+            steps |= flow.records.reach.get(resolver, 0)
+    steps &= universe
+    info = flow.loop_infos.get(pop.loop)
+    turning = [a.index for a in flow.atoms.atoms
+               if info is None or flow._loop_dependent(a, info) and not flow.holds_through(a, info)]
+
+    def fixed(formula: int) -> int:
+        for k in turning:
+            formula = exists(formula, k)
+        return formula & universe
+
+    for token, kind, resolver, across, guard in sorted(pop.records, key=repr):
+        if kind != "wiped" or not (across or _gated_window(token, flow.program.managed_models())):
+            continue
+        ran = flow.records.zero_ran.get(resolver, 0) & universe
+        # (judged where it wipes a micro-step when it is written before that backward: ``if boundary:
+        # zero_grad()`` then ``if use_plain: backward() ... step()``, a run with ``use_plain`` off has
+        # nothing to wipe and no step, Metric3D; one written after the backward clears what was stepped)
+        where = ran & guard if _written_before(resolver, token.site) else ran
+        if ran and not where & ~steps and fixed(ran) & fixed(guard):
+            return resolver, token, pop, 0, True
+    return None
+
+
+def _written_before(a, b) -> bool:
+    """Is site ``a`` (path, line, column) a line of the same file above site ``b``?"""
+    return a is not None and b is not None and a[0] == b[0] and a[1] < b[1]
+
+
+def accumulating_backwards(flow) -> list:
+    """(site, Backward, model) of backwards whose micro-steps accumulate (the next backward comes before
+    the step, in a later iteration) in a loop that steps: SC202's subject."""
+    out, done = [], set()
+    for pop in populations(flow):
+        if not pop.accumulating or pop.managed:
+            continue
+        for token, kind, resolver, across, guard in pop.records:
+            if token.site in done or kind not in NON_BOUNDARY:
+                continue
+            info = flow.records.backwards.get(token.site)
+            if info is not None:
+                done.add(token.site)
+                out.append((token.site, info, pop.model))
+    return out
+
+
+def missed_forward(flow) -> list:
+    """(control or flag site, backward site, model, kind) of DDP controls that cover a backward but
+    not its forward (SC102's fact)."""
+    return [key for key, guard in flow.records.missed.items() if guard and key[0] is not None]
+
+
+def first_iteration_off(flow) -> list:
+    """(forward site, model, by) where a static_graph DDP model's very first forward runs with sync
+    off (SC106's fact)."""
+    out = []
+    repeated = None
+    for (site, model, decided, by, first, loops), guard in flow.records.forwards.items():
+        if model == PLAIN or model.kind != "ddp" or not model.static_graph or decided != "off" or by is None:
+            continue
+        if repeated is None:
+            repeated = _called_in_a_loop(flow)
+        if repeated:
+            # ``train_step`` called once per batch: its loop's first turn is not training's first
+            # micro-step (a count the object keeps may have moved on); its caller's flow judges that
+            break
+        if not loops or not set(loops) <= set(first):
+            continue
+        if guard & flow.first_mask(first):
+            out.append((site, model, by))
+    return out
+
+
+def _called_in_a_loop(flow) -> bool:
+    """Is the root a function some loop of the project calls (``for batch in loader: trainer.train_step(batch)``)?"""
+    from synccheck.analyzer.project.definitions import Function
+    if not isinstance(flow.root, Function):
+        return False
+    for scope, call, _ in flow.values.callers(flow.root):
+        node = scope.node if isinstance(scope, Function) else getattr(scope, "tree", None)
+        if node is None:
+            continue
+        for loop in ast.walk(node):
+            if isinstance(loop, (ast.For, ast.AsyncFor, ast.While)) and \
+                    loop.lineno < call.lineno <= (loop.end_lineno or loop.lineno):
+                return True
+    return False
+
