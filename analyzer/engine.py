@@ -4,8 +4,8 @@ find files (files.py) -> read and filter by words (source.py, gate.py) -> parse 
 (project/index.py, definitions.py, resolution.py) -> abstract values (project/values.py, value_*.py) -> the
 sync dataflow of every training loop (project/syncflow.py, flow_state.py, loops.py, branches.py; events.py,
 event_calls.py, inlining.py, event_methods.py, micro_step.py, sync_control.py) -> facts (project/facts.py,
-micro_step_facts.py, gradient_cache.py, static.py, unwrapped.py, rank_branches.py, samplers.py,
-sampler_loops.py) -> rules (rules/) -> report.
+micro_step_facts.py, gradient_cache.py, static.py, unwrapped.py, rank_branches.py, collective_calls.py,
+literal_arguments.py, samplers.py, sampler_loops.py) -> rules (rules/) -> report.
 
 ``check_source`` runs it on one text; ``lint`` on files and folders, as one project: a loop in
 ``engine.py`` sees the DDP model ``main.py`` built, and findings are reported in the file where the

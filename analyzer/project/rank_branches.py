@@ -8,16 +8,20 @@ helper's own rank tests (``zero_first(rank=-1)``).
 from __future__ import annotations
 
 import ast
-import re
 from collections import deque
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import Ext, Framework, Inst, parameter_default
-from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
+from synccheck.analyzer.project.values import Ext, Framework, Inst
+from synccheck.analyzer.project.traversal import children, walk
 from synccheck.analyzer.project.rank_tests import RANK_NAME, RankTests, _kind, _negation, _ranked
+from synccheck.analyzer.project.collective_calls import (_COMMUNICATING, _case_value, _collective_aliases,
+                                                         _full_state_dict_models, _is_wildcard, _runs_deepspeed,
+                                                         _sub_group)
+from synccheck.analyzer.project.literal_arguments import (_UNKNOWN, _fallback_test, _fold, _functions_tested,
+                                                          _literal_arguments)
 
 class RankCollective(NamedTuple):
     module: object
@@ -418,163 +422,6 @@ class _RankChecker(RankTests):
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
-_RUNS_DEEPSPEED = re.compile(r"DeepSpeedPlugin\(|use_deepspeed|DistributedType\.DEEPSPEED|deepspeed_config|--deepspeed")
-
-
-def _runs_deepspeed(module) -> bool:
-    """Does the script say it runs under DeepSpeed (``--use_deepspeed``, ``DeepSpeedPlugin(...)``,
-    ``DistributedType.DEEPSPEED``, a ``deepspeed_config`` file)? (diffusers' examples name the plugin
-    only to turn ZeRO-3's init off for their frozen models: not enough.)"""
-    return _RUNS_DEEPSPEED.search(module.text) is not None
-
-
-_UNKNOWN = object()
-
-
-def _fallback_test(test, fn: Function) -> bool:
-    """``if name is None:`` where the function first binds ``name = None`` and then binds it again
-    inside a loop (a search that may find nothing)."""
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Is) and
-            isinstance(test.left, ast.Name) and isinstance(test.comparators[0], ast.Constant) and
-            test.comparators[0].value is None):
-        return False
-    name = test.left.id
-    first = next((s for s in fn.node.body if isinstance(s, ast.Assign) and
-                  any(isinstance(t, ast.Name) and t.id == name for t in s.targets)), None)
-    if first is None or not (isinstance(first.value, ast.Constant) and first.value.value is None):
-        return False
-    return any(isinstance(loop, (ast.For, ast.While)) and any(
-        isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
-        for n in ast.walk(loop)) for loop in fn.node.body)
-
-
-# a method name that says the method talks to the other ranks
-_COMMUNICATING = re.compile(r"sync|reduce|gather|barrier|broadcast|between_processes|average_all|mean_all|avg_all")
-
-
-def _full_state_dict_models(stmt) -> list:
-    """The models a ``with`` statement puts under ``FSDP.state_dict_type(model, FULL_STATE_DICT)``."""
-    if not isinstance(stmt, (ast.With, ast.AsyncWith)):
-        return []
-    return [m for m in map(_full_state_dict, (item.context_expr for item in stmt.items)) if m]
-
-
-def _full_state_dict(node) -> Optional[str]:
-    """The model of ``FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg)`` (its text), or None:
-    only that model's ``state_dict()`` all-gathers (not an optimizer's or a scheduler's)."""
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and \
-            node.func.attr == "state_dict_type" and "FULL_STATE_DICT" in ast.unparse(node):
-        return ast.unparse(node.args[0])
-    return None
-
-
-def _functions_tested(fn: Function) -> list:
-    """Names a function's tests read that are none of its own but the module's functions or classes:
-    ``if args.local_rank not in [-1, 0] and not evaluate:`` once the parameter ``evaluate`` was renamed
-    (BERT-NER-Pytorch) tests the module's function ``evaluate``, always true."""
-    tests = [n.test for n in ast.walk(fn.node) if isinstance(n, (ast.If, ast.While))]
-    if not tests:
-        return []
-    own = set(fn.params) | {n.id for n in ast.walk(fn.node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    module = fn.module
-    return [n.id for t in tests for n in ast.walk(t) if isinstance(n, ast.Name) and n.id not in own and (
-        n.id in module.classes or n.id in module.functions and module.functions[n.id].parent is None)]
-
-
-def _literal_arguments(call: ast.Call, fn: Function, outer: dict) -> frozenset:
-    """The literal values a call gives the callee's parameters: its constant arguments, names the
-    caller knows the value of, and the literal defaults of the parameters it does not pass."""
-    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
-        return frozenset()
-    a = fn.node.args
-    positional = [p.arg for p in a.posonlyargs + a.args]
-    if fn.is_method and positional:
-        positional = positional[1:]
-    values: dict = {}
-    for name in positional + [p.arg for p in a.kwonlyargs]:
-        default = parameter_default(fn.node, name)
-        if default is not None:
-            values[name] = default
-    for name, arg in zip(positional, call.args):
-        values[name] = arg
-    for kw in call.keywords:
-        values[kw.arg] = kw.value
-    out = []
-    for name, node in values.items():
-        value = _fold(node, outer)
-        if value is not _UNKNOWN and isinstance(value, (bool, int, str, type(None), tuple)):
-            out.append((name, value))
-        elif value is _UNKNOWN and isinstance(node, _OBJECTS):
-            # ``get_file(path, dest, object_store=logger)``: an object, for the callee's
-            # ``if object_store is None:`` (composer); what else it is, we do not know
-            out.append((name, _NOT_NONE))
-    return frozenset(out)
-
-
-_NOT_NONE = object()
-_OBJECTS = (ast.Name, ast.Attribute, ast.Call, ast.List, ast.Tuple, ast.Dict, ast.Set, ast.JoinedStr, ast.Lambda)
-
-
-def _fold(node, binding: dict):
-    """The value of a test given some names' values; _UNKNOWN when it depends on anything else.
-    An ``and`` is false as soon as one operand is, an ``or`` true as soon as one is."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name):
-        value = binding.get(node.id, _UNKNOWN)
-        return _UNKNOWN if value is _NOT_NONE else value
-    if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)) and \
-            isinstance(node.left, ast.Name) and binding.get(node.left.id) is _NOT_NONE and \
-            isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None:
-        return isinstance(node.ops[0], ast.IsNot)
-    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-        items = tuple(_fold(e, binding) for e in node.elts)
-        return _UNKNOWN if any(i is _UNKNOWN for i in items) else items
-    if isinstance(node, ast.UnaryOp):
-        v = _fold(node.operand, binding)
-        if v is _UNKNOWN:
-            return _UNKNOWN
-        if isinstance(node.op, ast.Not):
-            return not v
-        if isinstance(node.op, ast.USub) and isinstance(v, (int, float)):
-            return -v
-        return _UNKNOWN
-    if isinstance(node, ast.BoolOp):
-        stop = isinstance(node.op, ast.Or)
-        result = not stop
-        for v in node.values:
-            value = _fold(v, binding)
-            if value is _UNKNOWN:
-                result = _UNKNOWN
-            elif bool(value) == stop:
-                return stop
-        return result
-    if isinstance(node, ast.Compare) and len(node.ops) == 1:
-        left, right = _fold(node.left, binding), _fold(node.comparators[0], binding)
-        if left is _UNKNOWN or right is _UNKNOWN:
-            return _UNKNOWN
-        op = node.ops[0]
-        try:
-            if isinstance(op, (ast.Eq, ast.Is)):
-                return left == right
-            if isinstance(op, (ast.NotEq, ast.IsNot)):
-                return left != right
-            if isinstance(op, ast.In):
-                return left in right
-            if isinstance(op, ast.NotIn):
-                return left not in right
-            if isinstance(op, ast.Lt):
-                return left < right
-            if isinstance(op, ast.LtE):
-                return left <= right
-            if isinstance(op, ast.Gt):
-                return left > right
-            if isinstance(op, ast.GtE):
-                return left >= right
-        except TypeError:
-            return _UNKNOWN
-    return _UNKNOWN
-
 
 def _main_only(fn) -> Optional[str]:
     """The decorator that makes ``fn`` run on the main process only, if it has one."""
@@ -584,57 +431,3 @@ def _main_only(fn) -> Optional[str]:
 
 def _exits(stmts) -> bool:
     return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Continue, ast.Break))
-
-
-def _collective_aliases(tree) -> frozenset:
-    """The names a module binds to a collective under another name: ``from torch.distributed import
-    barrier as sync``, ``reduce = dist.all_reduce``."""
-    out = set()
-    for node in walk(tree):
-        t = type(node)
-        if t is ast.alias:
-            if node.asname and node.name.rpartition(".")[2] in vocab.COLLECTIVES:
-                out.add(node.asname)
-        elif t is ast.Assign:
-            value = node.value
-            last = value.attr if type(value) is ast.Attribute else value.id if type(value) is ast.Name else None
-            if last in vocab.COLLECTIVES:
-                out.update(n.id for target in node.targets for n in walk(target) if type(n) is ast.Name)
-    return frozenset(out)
-
-
-def _sub_group(group, scope) -> bool:
-    """Is ``group=`` a sub-group of the ranks: made by ``new_group(ranks)`` / ``new_subgroups(...)`` in
-    this scope, or a group we cannot see made (a parameter, an attribute)? Not ``None``,
-    ``dist.group.WORLD``, nor a ``new_group()`` of every rank (a timeout test's group)."""
-    if isinstance(group, ast.Constant) or (isinstance(group, ast.Attribute) and group.attr == "WORLD"):
-        return False
-    made = []
-    if isinstance(group, ast.Name) and isinstance(scope, Function) and group.id in scope.params:
-        default = parameter_default(scope.node, group.id)
-        if isinstance(default, ast.Constant) and default.value is None:
-            return False    # ``def barrier(group=None)``: the whole world unless a caller says otherwise
-    if isinstance(group, ast.Name) and isinstance(scope, Function):
-        for node in walk_no_defs(scope.node):
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == group.id for t in node.targets):
-                made.append(node.value)
-    for value in made:
-        if isinstance(value, ast.Call):
-            name = value.func.attr if isinstance(value.func, ast.Attribute) else getattr(value.func, "id", "")
-            if name == "new_group" and not value.args and not any(kw.arg == "ranks" for kw in value.keywords):
-                return False
-    return True
-
-
-def _case_value(case):
-    """The int a ``case`` matches (``case 0:``), or None."""
-    pattern = case.pattern
-    if case.guard is None and isinstance(pattern, ast.MatchValue) and isinstance(pattern.value, ast.Constant) and \
-            type(pattern.value.value) is int:
-        return pattern.value.value
-    return None
-
-
-def _is_wildcard(case) -> bool:
-    return case.guard is None and isinstance(case.pattern, ast.MatchAs) and case.pattern.pattern is None
-
