@@ -12,7 +12,7 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.conditions import DECIDED_KINDS, distributed_switch, wrapper_type_test
+from synccheck.analyzer.project.type_tests import DECIDED_KINDS, distributed_switch, wrapper_type_test
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.flow_state import Frame, St
 from synccheck.analyzer.project.guards import TRUE, depends_on

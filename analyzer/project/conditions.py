@@ -17,13 +17,11 @@ from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.first_turn import FirstTurn
+from synccheck.analyzer.project.type_tests import DECIDED_KINDS, TypeTests, _text
 from synccheck.analyzer.project.guards import COMPARISONS, FALSE, TRUE, last_form, mod_form, mod_parts
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.state import origin_of
 from synccheck.analyzer.project.traversal import children, walk
-
-# wrapper kinds fixed when the wrapper is built (an accelerate or fabric model's is decided at run time)
-DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2"))
 
 BOTH = (TRUE, TRUE)
 
@@ -46,38 +44,12 @@ def free_names(node) -> list:
     return out
 
 
-_SWITCH = re.compile(r"(?:^|_)(?:ddp|distributed|dist|multi_gpu|data_parallel)(?:$|_)|is_initialized$")
-_COUNT = re.compile(r"(?:^|_)(?:world_size|n_gpus?|num_gpus|ngpus?|nprocs|num_processes)$")
-
-
-def distributed_switch(test) -> bool:
-    """``if self.use_ddp or self.use_fsdp:``, ``if args.distributed:``, ``if world_size > 1:``,
-    ``if dist.is_initialized():``: a test that is true exactly when training is distributed. Where
-    it only guards a sync control, its false side is a run with no data-parallel model, where no
-    sync rule has anything to say (FSDP and DeepSpeed switches are not this: they choose a wrapper)."""
-    t = type(test)
-    if t is ast.BoolOp:
-        parts = [distributed_switch(v) for v in test.values]
-        return any(parts) if isinstance(test.op, ast.Or) else all(parts)
-    if t is ast.Call:
-        test = test.func
-        t = type(test)
-    if t is ast.Name or t is ast.Attribute:
-        return bool(_SWITCH.search((test.id if t is ast.Name else test.attr).lower()))
-    if t is ast.Compare and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant):
-        left, op, bound = test.left, test.ops[0], test.comparators[0].value
-        name = left.id if isinstance(left, ast.Name) else left.attr if isinstance(left, ast.Attribute) else ""
-        return bool(_COUNT.search(name.lower())) and isinstance(bound, int) and (
-            (isinstance(op, ast.Gt) and bound == 1) or (isinstance(op, ast.GtE) and bound == 2))
-    return False
-
-
 def volatile(node) -> bool:
     """A test whose value may change without any name being rebound (a call, an item of a batch)."""
     return any(isinstance(n, (ast.Call, ast.Subscript, ast.Await)) for n in walk(node))
 
 
-class Conditions(FirstTurn):
+class Conditions(FirstTurn, TypeTests):
     """Evaluates tests for one Flow; knows the atoms table and how to read the local environment."""
 
     def __init__(self, flow) -> None:
@@ -318,73 +290,6 @@ class Conditions(FirstTurn):
                           [_swap(c, assigns, bound, swapped) for c in node.comparators])
         return out if swapped[0] else None
 
-    def _type_test_by_paths(self, node: ast.Call, st, fr) -> Optional[tuple]:
-        """``isinstance(model, DDP)`` where ``model`` is the wrapper on some paths and a plain module on
-        the others (``if is_dist(): model = DDP(model)``): true exactly on the paths of the wrapper,
-        not a test of its own (which would let a run be distributed with an unwrapped model)."""
-        name, kinds = wrapper_type_test(self.flow.values, node, fr.scope)
-        if name is None or not kinds <= {"ddp", "fsdp"}:
-            return None
-        from synccheck.analyzer.project.state import EnvVal
-        from synccheck.analyzer.project.values import Inst, Obj, Unknown, Wrapper
-        known = st.env.get(name)
-        if known is None:
-            known = EnvVal(((TRUE, self.flow.values.name(name, fr.scope, node.lineno)),))
-        wrappers = self.flow.program.wrappers
-        split = []          # (guard, values of the kinds tested, the other values)
-        for guard, values in known.alts:
-            if not values:
-                return None
-            yes = frozenset(v for v in values if isinstance(v, Wrapper) and v.kind in kinds)
-            no = frozenset(v for v in values if v not in yes and (
-                isinstance(v, (Obj, Inst)) and not wrappers(frozenset((v,))) or
-                # beside the wrapper tested, what a builder out of view made: the module it wraps
-                yes and isinstance(v, (Obj, Unknown)) or
-                # a wrapper of another kind decided when it was built (DDP where the FSDP test fails)
-                isinstance(v, Wrapper) and v.kind in DECIDED_KINDS))
-            if len(yes) + len(no) != len(values):
-                return None
-            split.append((guard, yes, no))
-        if len(split) == 1 and not split[0][2]:
-            return TRUE, FALSE      # one value on every path, the wrapper tested (``model = FSDP(model)``)
-        true = false = FALSE
-        for guard, yes, no in split:
-            if yes:
-                true |= guard
-            if no:
-                false |= guard
-        if not true:
-            if all(no and all(isinstance(v, Wrapper) and v.kind in DECIDED_KINDS for v in no) for _, _, no in split):
-                # ``isinstance(model, FSDP)`` on a model that is a DDP wrapper on every path: false
-                return FALSE, TRUE
-            return None if len(split) == 1 else (true, false)
-        if not true & false:
-            return true, false
-        # ``model`` may be FSDP or DDP on the same paths (a parameter, ``FSDP(m) if cfg.fsdp else
-        # DDP(m)``): which one is a condition of its own, the same for the whole run, and the name's
-        # values are split by it from here on (open_lm: the FSDP model under no_sync, the DDP one not).
-        # The split is made again each time the test runs (a loop's next turn joins the values from
-        # before the loop, not split yet)
-        atom = self.atoms.get(("TYPE", name, tuple(sorted(kinds)), id(fr.scope)), _text(fr, node))
-        if atom is None:
-            return None
-        self.flow.note_atom(atom, (), False, (name,))     # (the same on every turn of a loop)
-        tested = self.flow.type_atoms.setdefault(atom.index, set())
-        for _, yes, _ in split:
-            tested |= yes
-        on, off = self.atoms.formula(atom, True), self.atoms.formula(atom, False)
-        alts = []
-        true = false = FALSE
-        for guard, yes, no in split:
-            if yes and guard & on:
-                alts.append((guard & on, yes))
-                true |= guard & on
-            if no and guard & off:
-                alts.append((guard & off, no))
-                false |= guard & off
-        st.env[name] = known._replace(alts=tuple(alts))
-        return true, false
-
     def _record_field(self, attribute: ast.Attribute, fr) -> bool:
         """Is ``cfg.grad_accum`` a field of a record class (a dataclass) on every value of ``cfg``? Only
         there is a default every builder left alone the value (a constructor parameter's default of 1,
@@ -489,32 +394,11 @@ def _constant(value) -> Optional[bool]:
     return None
 
 
-def _text(fr, node) -> str:
-    text = fr.module.segment(node) if hasattr(node, "lineno") else None
-    return (text or ast.unparse(node)).strip()
-
-
 def _parse_dump(dump: str):
     # mod_form keys the modulus by ast.dump; a constant's dump is "Constant(value=1)"
     if dump.startswith("Constant(value=") and dump.endswith(")"):
         return dump[len("Constant(value="):-1]
     raise ValueError(dump)
-
-
-def wrapper_type_test(values, test, scope) -> tuple:
-    """(the name tested, the wrapper kinds of its classes) for ``isinstance(model, DDP)`` or
-    ``isinstance(model, (FSDP, DDP))``; (None, set()) for any other test, or classes not all wrappers."""
-    if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and
-            len(test.args) == 2 and isinstance(test.args[0], ast.Name)):
-        return None, set()
-    from synccheck.analyzer.project import vocabulary as vocab
-    from synccheck.analyzer.project.values import Ext, Tup
-    classes = values.expr(test.args[1], scope)
-    classes = frozenset(x for v in classes for x in (frozenset().union(*v.items) if isinstance(v, Tup) else (v,)))
-    kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
-    if not kinds or "" in kinds:
-        return None, set()
-    return test.args[0].id, kinds
 
 
 _ATTRIBUTE_DUMP = re.compile(r"Attribute\(value=(.*), attr='(\w+)', ctx=Load\(\)\)$")
