@@ -17,7 +17,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.first_turn import FirstTurn
-from synccheck.analyzer.project.type_tests import DECIDED_KINDS, TypeTests, _text
+from synccheck.analyzer.project.type_tests import TypeTests, _text
 from synccheck.analyzer.project.guards import COMPARISONS, FALSE, TRUE, last_form, mod_form, mod_parts
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.state import origin_of

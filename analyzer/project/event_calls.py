@@ -19,7 +19,6 @@ from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD
                                                    library_training_step, sets_sync_flag, sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
-from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Super, Unknown, Wrapper, site_of)
