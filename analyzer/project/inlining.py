@@ -131,6 +131,8 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         return True
     if _returns_a_test(fn) or _returns_a_sync_control(fn):
         return True
+    if _calls_a_global_model(flow, fn):
+        return True                         # ``def compute_loss(batch): return model(batch)...`` in a script
     if "call" not in words:
         return False
     if fn.parent is not None:
@@ -139,6 +141,15 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
         if any(isinstance(v, _CALLABLE) or isinstance(v, FlowPartial) for v in a.values):
             return True
     return isinstance(receiver, Inst) and _holds_callables(flow, receiver)
+
+
+def _calls_a_global_model(flow, fn: Function) -> bool:
+    """Does the function call a module-level name that holds a data-parallel model (a script's
+    ``model = DDP(...)`` read by its helpers)?"""
+    local = set(fn.params) | (flow.values.info(fn).locals or set())
+    names = {n.func.id for n in fn.nodes() if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id not in local and n.func.id in fn.module.globals}
+    return any(flow.program.wrappers(flow.values.module_name(name, fn.module)) for name in sorted(names))
 
 
 def _on_paths(value: EnvVal, st) -> EnvVal:
