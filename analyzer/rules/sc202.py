@@ -96,6 +96,8 @@ class UnscaledAccumulatedLoss(Rule):
                     continue      # gradient caching: each micro-step's loss is the whole window's
                 if _sums_its_loss(ctx.program, model, info):
                     continue      # the model's forward returns a sum over examples: micro-steps add up to the batch's
+                if _random_restarts(info):
+                    continue      # ``while r < p: r = rng.random()``: no count of micro-steps to divide by
                 ctx.report(self, info.module, info.node,
                            "this loss reaches backward() undivided while gradients accumulate over several "
                            "micro-steps: the step applies the sum of N gradients, an N-times larger update than "
@@ -113,6 +115,26 @@ def _enclosing(module, node):
     only when a finding is checked: the rules stay light to import)."""
     from synccheck.analyzer.project.definitions import enclosing_function
     return enclosing_function(module, node)
+
+
+def _random_restarts(info) -> bool:
+    """Is the backward in a ``while`` loop that goes on by chance (``while r < args.restart_prob: r =
+    rng.random()``, DROID-SLAM's random restarts)? Its micro-steps have no count a loss could be divided
+    by: they are repeats, not a batch split into N."""
+    fn = _enclosing(info.module, info.node)
+    if fn is None:
+        return False
+    line = info.node.lineno
+    for loop in ast.walk(fn.node):
+        if not (isinstance(loop, ast.While) and loop.lineno < line <= (loop.end_lineno or loop.lineno)):
+            continue
+        tested = {n.id for n in ast.walk(loop.test) if isinstance(n, ast.Name)}
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                    any(isinstance(t, ast.Name) and t.id in tested for t in node.targets) and \
+                    "rand" in ast.unparse(node.value.func).lower():
+                return True
+    return False
 
 
 def _mean_times_count(node) -> bool:
