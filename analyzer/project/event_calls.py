@@ -13,13 +13,14 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _LOSS_METHOD, FABRIC_REDIRECTED,  # noqa: F401
-                                                   _inner_wrappers, _submodule, clears_grads, forward_dispatch,
+from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _HOUSEKEEPING, _LOSS_METHOD,  # noqa: F401
+                                                   FABRIC_REDIRECTED, _inner_wrappers, _submodule, clears_grads, forward_dispatch,
                                                    handed_a_token_count, handed_the_accumulation_count,
                                                    library_training_step, sets_sync_flag, sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Super, Unknown, Wrapper, site_of)
 
@@ -167,9 +168,15 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # one of its submodules or of a method that runs them (SAM-Med3D's ``model.module.image_encoder(x)``,
     # ``net.mask_decoder(...)`` with ``net = model.module``), but not a module's housekeeping
     inner = _inner_wrappers(recv.values) if recv is not None else None
-    if inner and (_FORWARD_METHOD.search(func.attr) or _submodule(flow, inner, func.attr)) and \
+    if inner and (_FORWARD_METHOD.search(func.attr) or _submodule(flow, inner, func.attr) or
+                  _runs_submodules(flow, inner, func.attr, fr.scope, node)) and \
             not _project_method(flow, recv.values, func.attr):
         return inner_forward(flow, node, inner, args, kws, st, fr)
+    if recv is not None and func.attr == "forward" and isinstance(func.value, ast.Attribute) and \
+            _inner_wrappers(expr(flow, func.value.value, st, fr).values):
+        # ``model.module.head.forward(h)``: a submodule of the module inside the wrapper, run by hand
+        return inner_forward(flow, node, _inner_wrappers(expr(flow, func.value.value, st, fr).values),
+                             args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
             flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
@@ -398,6 +405,37 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         return _val(flow.values.call_returns(fn, receiver, site_of(fr.module, node)), prov,
                     handed.scaled if handed is not None else flow.program.returns_scaled(fn))
     return result
+
+
+def _runs_submodules(flow, wrappers: frozenset, attr: str, scope, node) -> bool:
+    """Is ``attr`` a method of the module inside these wrappers, of a project class, that runs its
+    submodules (``model.module.encode_images(x)`` calling ``self.encoder(x)``): a forward that bypasses
+    the wrapper? (Not housekeeping: ``get_``, ``save``, ``freeze``...) A module built out of view
+    stands for the one family of project classes that defines the method (duck.py)."""
+    if _HOUSEKEEPING.match(attr):
+        return False
+    bound = []
+    for w in wrappers:
+        for v in flow.values.wrapped_by(w):
+            if isinstance(v, Inst):
+                method = flow.project.attribute(v.cls, attr)
+                if isinstance(method, Function):
+                    bound.append((method, v.cls))
+    if not bound:
+        duck = flow.program.duck_method(attr, scope, node)
+        if duck is not None:
+            bound.append((duck.fn, duck.receiver.cls))
+    for method, klass in bound:
+        if not method.params:
+            continue
+        me = method.params[0]
+        stored = set()
+        for k in flow.project.mro(klass):
+            stored |= set(_class_attrs(flow.values, k))
+        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
+               and n.func.value.id == me and n.func.attr in stored for n in method.nodes()):
+            return True
+    return False
 
 
 def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
