@@ -53,6 +53,13 @@ def no_sync_on_unwrapped(program) -> list:
             # wrapper this is the module inside it (and where there is none, ``.module`` fails)
             out.append(Unwrapped(module, call, _text(module, call), _binding(program, inner[0].wrapper), "module"))
             continue
+        container = _in_a_prepared_container(program, target_node) if call.args else None
+        if container is not None:
+            # ``trainable_layers = ModuleList([pipeline.unet])`` prepared, then
+            # ``accelerator.accumulate(pipeline.unet)``: the module inside the prepared container is not
+            # the wrapper (ddpo-pytorch before "Fix gradient sync for lora")
+            out.append(Unwrapped(module, call, _text(module, call), _binding(program, container), "module"))
+            continue
         holder = _holds_wrapper(program, scope, target_node) if call.args else None
         if holder is not None:
             # ``model = Denoiser(prepared)``; ``accelerator.accumulate(model)``: the object named holds
@@ -145,6 +152,34 @@ def _module_or_itself(a, b) -> bool:
         return None
     return any(isinstance(x, ast.Attribute) and x.attr == "module" and ast.dump(x.value) == ast.dump(y)
                for x, y in ((a, b), (b, a))) or (inside(a) is not None and inside(a) == inside(b))
+
+
+def _in_a_prepared_container(program, target) -> Optional[Wrapper]:
+    """The wrapper built around a container made of the module ``target`` names (``ModuleList([x])``,
+    ``AttnProcsLayers(x.attn_processors)``), when ``target`` is an attribute chain (``pipeline.unet``)."""
+    if not isinstance(target, ast.Attribute):
+        return None
+    text = ast.unparse(target)
+    for inner, wrappers in program.wrapping().items():
+        site = getattr(inner, "site", None)
+        if not isinstance(inner, Obj) or not site or len(site) < 3 or not isinstance(site[1], int):
+            continue
+        module = program.project.module_at(site[0])
+        made = _call_at(module, site[1], site[2]) if module is not None else None
+        if made is None or not made.args:
+            continue
+        for arg in list(made.args) + [k.value for k in made.keywords]:
+            if any(isinstance(n, ast.Attribute) and (ast.unparse(n) == text or ast.unparse(n.value) == text)
+                   for n in walk(arg)):
+                return sorted(wrappers, key=repr)[0]
+    return None
+
+
+def _call_at(module, line: int, col: int) -> Optional[ast.Call]:
+    for node in walk(module.tree):
+        if isinstance(node, ast.Call) and node.lineno == line and node.col_offset == col:
+            return node
+    return None
 
 
 def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
