@@ -206,3 +206,30 @@ def test_a_bound_set_epoch_kept_to_call_later_reseeds(tmp_path):
     # (zd11024/NaviLLM: ``pre_epoch = sampler.set_epoch``, called by the loader wrapper each epoch)
     root = write_project(tmp_path / "kept", {"loaders.py": KEPT.format(reseed="pre_epoch(epoch)")})
     assert found(root) == set()
+
+
+REBUILT = """
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+
+    def train(model, base_dataset, build, optimizer, epochs):
+        for epoch in range(epochs):
+            {data}
+            loader = DataLoader(dataset, sampler=DistributedSampler(dataset, shuffle=True), batch_size=8)
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+"""
+
+
+def test_a_sampler_over_a_dataset_rebuilt_each_epoch(tmp_path):
+    # (facebookresearch/coconut: the dataset is reshuffled as it is built, each epoch: no SC302)
+    text = REBUILT.format(data="dataset = build(base_dataset, shuffle=True)")
+    assert found(write_project(tmp_path / "rebuilt", {"train.py": text})) == set()
+    # the same sampler made each epoch over the same data replays one order (Post2Vec): SC302
+    text = REBUILT.format(data="dataset = base_dataset")
+    assert found(write_project(tmp_path / "same", {"train.py": text})) == {
+        ("train.py", _line(text, "DistributedSampler(dataset"), "SC302")}

@@ -112,7 +112,7 @@ def samplers_without_set_epoch(program) -> list:
     out = []
     epoch_loop = None         # asked once: nothing below parses or reads a file
     for module, call, sampler, scope in made:
-        if sampler in prepared or _seeded_by_epoch(call):
+        if sampler in prepared or _seeded_by_epoch(call) or _over_data_made_each_epoch(scope, call):
             continue
         if module.linted and sampler not in seeded:
             sites = [(module, call, _assigned_name(module, call), scope)]
@@ -220,6 +220,22 @@ def _seeded_by_epoch(call) -> bool:
     the epoch moves, shuffles differently every epoch without set_epoch."""
     return any(kw.arg == "seed" and any(isinstance(n, ast.Name) and "epoch" in n.id.lower() for n in ast.walk(kw.value))
                for kw in call.keywords)
+
+
+def _over_data_made_each_epoch(scope, call) -> bool:
+    """``for epoch in ...: dataset = build(..., shuffle=True); sampler = DistributedSampler(dataset)``:
+    a sampler made afresh each epoch over a dataset made afresh each epoch (coconut reshuffles the
+    data itself as it builds it); what each epoch sees is the dataset's to say, not set_epoch's."""
+    if not isinstance(scope, Function) or not call.args or not isinstance(call.args[0], ast.Name):
+        return False
+    data = call.args[0].id
+    for loop in scope.nodes():
+        if isinstance(loop, ast.For) and "epoch" in ast.unparse(loop.target).lower() and \
+                loop.lineno < call.lineno <= (loop.end_lineno or loop.lineno):
+            return any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and
+                       any(isinstance(t, ast.Name) and t.id == data for t in n.targets)
+                       and loop.lineno < n.lineno < call.lineno for b in loop.body for n in walk(b))
+    return False
 
 
 def _class_aliases(tree, names: set) -> set:
