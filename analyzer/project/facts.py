@@ -142,7 +142,7 @@ def _job_test(test) -> Optional[bool]:
         name = test.func.attr if isinstance(test.func, ast.Attribute) else getattr(test.func, "id", "")
         return True if name in ("is_initialized", "is_distributed", "is_dist_avail_and_initialized") else None
     if isinstance(test, (ast.Name, ast.Attribute)):
-        name = test.attr if isinstance(test, ast.Attribute) else test.id
+        name = (test.attr if isinstance(test, ast.Attribute) else test.id).lstrip("_")
         return True if re.fullmatch(r"(?i)(?:args_)?(?:distributed|is_distributed|is_dist|ddp|use_ddp|use_dist|"
                                     r"use_distributed|dist_train|distributed_training)", name) else None
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant) and \

@@ -52,7 +52,7 @@ class FirstTurn:
             return
         found = self.flow.counter_loop(ast.dump(left), fr)
         if found is None:
-            found = self._step_count(left.id, fr)
+            found = self._step_count(left.id, fr, getattr(node, "lineno", 0))
         if found is None:
             return
         loop, start = found
@@ -107,7 +107,7 @@ class FirstTurn:
         return (self.flow.loop_stack[0], start) if start is not None else None
 
     @staticmethod
-    def _step_count(name: str, fr) -> Optional[tuple]:
+    def _step_count(name: str, fr, line: int = 0) -> Optional[tuple]:
         """(the outermost running loop, the count's first value) for ``global_step``: bound once to an
         int before that loop and otherwise only moved on (``global_step += 1``) inside it. On that
         loop's first iteration it still has its first value (``... or global_step == 0`` syncs the very
@@ -132,4 +132,14 @@ class FirstTurn:
                         for n in ast.walk(getattr(node, "target", None) or getattr(node, "optional_vars", None)
                                           or ast.Pass())):
                 return None
-        return (outer.id, start) if start is not None else None
+        if start is None:
+            return None
+        # ``global_step += 1`` as a statement of a running loop's body, above the test: on the first
+        # turn the test already sees the count moved on (insightface's ``global_step == 1``)
+        for ctx in fr.loops:
+            for stmt in ctx.info.node.body:
+                if isinstance(stmt, ast.AugAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id == name \
+                        and isinstance(stmt.op, ast.Add) and isinstance(stmt.value, ast.Constant) and \
+                        type(stmt.value.value) is int and stmt.lineno < line:
+                    start += stmt.value.value
+        return outer.id, start
