@@ -252,6 +252,11 @@ def _rewritten_stores(stores, attr: str) -> set:
         self_name = scope.params[0] if scope.params else None
         last = None
         for value in values:
+            # (only a framework's ``prepare`` / ``setup``, which hands back new objects: a
+            # ``convert_sync_batchnorm(self.model)`` or ``DDP(self.model)`` is read through the stores
+            # before it, which say what it wraps)
+            if not (isinstance(value, (ast.Call, ast.Tuple)) and _prepares(value)):
+                continue
             if id(value) in body_values and any(
                     isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and
                     n.value.id == self_name for n in ast.walk(value)):
@@ -259,3 +264,11 @@ def _rewritten_stores(stores, attr: str) -> set:
         if last is not None:
             out |= {id(v) for v in values if v.lineno < last.lineno}
     return out
+
+
+def _prepares(value) -> bool:
+    call = value if isinstance(value, ast.Call) else None
+    if call is None:
+        return False
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+    return name in ("prepare", "prepare_model", "prepare_optimizer", "setup", "setup_module", "setup_optimizers")
