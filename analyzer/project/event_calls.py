@@ -426,16 +426,23 @@ def _runs_submodules(flow, wrappers: frozenset, attr: str, scope, node) -> bool:
         if duck is not None:
             bound.append((duck.fn, duck.receiver.cls))
     for method, klass in bound:
-        if not method.params:
+        if not method.params or any(_NO_GRAD.search(ast.unparse(d)) for d in method.node.decorator_list):
             continue
         me = method.params[0]
         stored = set()
         for k in flow.project.mro(klass):
             stored |= set(_class_attrs(flow.values, k))
+        # (not the submodules it runs under ``torch.no_grad()``: a target computed without gradients,
+        # OSEDiff's distribution-matching loss, bypasses nothing)
+        quiet = {id(n) for w in method.nodes() if isinstance(w, ast.With) and
+                 any(_NO_GRAD.search(ast.unparse(i.context_expr)) for i in w.items) for b in w.body for n in ast.walk(b)}
         if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
-               and n.func.value.id == me and n.func.attr in stored for n in method.nodes()):
+               and n.func.value.id == me and n.func.attr in stored and id(n) not in quiet for n in method.nodes()):
             return True
     return False
+
+
+_NO_GRAD = re.compile(r"no_grad|inference_mode")
 
 
 def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
