@@ -18,6 +18,7 @@ from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _HOUSEKEEPIN
                                                    handed_a_token_count, handed_the_accumulation_count,
                                                    library_training_step, sets_sync_flag, sum_criterion, sum_reduced)
 from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.gradient_cache import _is_no_grad
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.value_helpers import _class_attrs
@@ -172,11 +173,11 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
                   _runs_submodules(flow, inner, func.attr, fr.scope, node)) and \
             not _project_method(flow, recv.values, func.attr):
         return inner_forward(flow, node, inner, args, kws, st, fr)
-    if recv is not None and func.attr == "forward" and isinstance(func.value, ast.Attribute) and \
-            _inner_wrappers(expr(flow, func.value.value, st, fr).values):
+    if recv is not None and func.attr == "forward" and isinstance(func.value, ast.Attribute):
         # ``model.module.head.forward(h)``: a submodule of the module inside the wrapper, run by hand
-        return inner_forward(flow, node, _inner_wrappers(expr(flow, func.value.value, st, fr).values),
-                             args, kws, st, fr)
+        owners = _inner_wrappers(expr(flow, func.value.value, st, fr).values)
+        if owners:
+            return inner_forward(flow, node, owners, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
             flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
@@ -426,7 +427,7 @@ def _runs_submodules(flow, wrappers: frozenset, attr: str, scope, node) -> bool:
         if duck is not None:
             bound.append((duck.fn, duck.receiver.cls))
     for method, klass in bound:
-        if not method.params or any(_NO_GRAD.search(ast.unparse(d)) for d in method.node.decorator_list):
+        if not method.params or any(_is_no_grad(d) for d in method.node.decorator_list):
             continue
         me = method.params[0]
         stored = set()
@@ -435,14 +436,12 @@ def _runs_submodules(flow, wrappers: frozenset, attr: str, scope, node) -> bool:
         # (not the submodules it runs under ``torch.no_grad()``: a target computed without gradients,
         # OSEDiff's distribution-matching loss, bypasses nothing)
         quiet = {id(n) for w in method.nodes() if isinstance(w, ast.With) and
-                 any(_NO_GRAD.search(ast.unparse(i.context_expr)) for i in w.items) for b in w.body for n in ast.walk(b)}
+                 any(_is_no_grad(i.context_expr) for i in w.items) for b in w.body for n in ast.walk(b)}
         if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
                and n.func.value.id == me and n.func.attr in stored and id(n) not in quiet for n in method.nodes()):
             return True
     return False
 
-
-_NO_GRAD = re.compile(r"no_grad|inference_mode")
 
 
 def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import re
+from functools import lru_cache
 
 from typing import NamedTuple, Optional
 
@@ -121,6 +122,7 @@ NON_BOUNDARY = ("superseded", "wiped")
 _DISTRIBUTED_JOB = re.compile(r"distributed|is_initialized|is_dist\b|world_size|\bddp\b|use_ddp|use_dist", re.I)
 
 
+@lru_cache(maxsize=4096)
 def _distributed_value(text: str) -> Optional[bool]:
     """The truth value of a test (an atom's text) in a distributed job: ``args.distributed`` True,
     ``not dist.is_initialized()`` False, ``world_size == 1`` False; None for any other test

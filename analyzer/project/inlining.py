@@ -146,10 +146,13 @@ def _worth_inlining(flow, fn: Function, receiver, args, kws) -> bool:
 def _calls_a_global_model(flow, fn: Function) -> bool:
     """Does the function call a module-level name that holds a data-parallel model (a script's
     ``model = DDP(...)`` read by its helpers)?"""
-    local = set(fn.params) | (flow.values.info(fn).locals or set())
-    names = {n.func.id for n in fn.nodes() if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-             and n.func.id not in local and n.func.id in fn.module.globals}
-    return any(flow.program.wrappers(flow.values.module_name(name, fn.module)) for name in sorted(names))
+    key = ("calls a global model", fn.uid)
+    if key not in flow.memo:        # (asked at every call of the function that is not followed)
+        local = set(fn.params) | (flow.values.info(fn).locals or set())
+        names = {n.func.id for n in fn.nodes() if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                 and n.func.id not in local and n.func.id in fn.module.globals}
+        flow.memo[key] = any(flow.program.wrappers(flow.values.module_name(name, fn.module)) for name in sorted(names))
+    return flow.memo[key]
 
 
 def _on_paths(value: EnvVal, st) -> EnvVal:

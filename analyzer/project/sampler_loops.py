@@ -31,14 +31,30 @@ def _follow_loaders(program) -> None:
     for module in program.project.linted():
         if not _EPOCH_LOOP.search(module.text) or not _LOADER_NAME.search(module.text):
             continue
-        for scope in [module] + list(module.functions.values()):
-            for name, bound in values.info(scope).assigns.items():
-                if _LOADER_NAME.search(name) and bound and type(bound[0][0]) is ast.Call:
-                    values.name(name, scope)
-            if isinstance(scope, Function) and _epoch_loop_of(scope) is not None:
-                for name in scope.params:
-                    if _LOADER_NAME.search(name):
-                        values.parameter(scope, name)
+        for scope, name, _ in _loader_bindings(values, module):
+            values.name(name, scope)
+        for fn, _, name in _handed_loaders(module):
+            values.parameter(fn, name)
+
+
+def _loader_bindings(values, module):
+    """(scope, name, bindings) for each name of the module's scopes that holds a loader or a sampler
+    and is first bound by a call (``train_loader = make_dataloader(...)``)."""
+    for scope in [module] + list(module.functions.values()):
+        for name, bound in values.info(scope).assigns.items():
+            if _LOADER_NAME.search(name) and bound and type(bound[0][0]) is ast.Call:
+                yield scope, name, bound
+
+
+def _handed_loaders(module):
+    """(function, its epoch loop, parameter) for each loader-named parameter of a function of the module
+    that loops over epochs itself."""
+    for fn in module.functions.values():
+        loop = _epoch_loop_of(fn)
+        if loop is not None:
+            for name in fn.params:
+                if _LOADER_NAME.search(name):
+                    yield fn, loop, name
 
 
 def _builder_shared(module, call, scope) -> bool:
@@ -58,38 +74,26 @@ def _takers(program, sampler) -> list:
     values = program.values
     out = []
     for module in program.project.linted():
-        scopes = [module] + list(module.functions.values())
-        for scope in scopes:
-            info = values.info(scope)
-            for name, bound in info.assigns.items():
-                if not _LOADER_NAME.search(name) or not bound or type(bound[0][0]) is not ast.Call:
-                    continue
-                made = bound[0][0]
-                if isinstance(scope, Function) and any(isinstance(n, ast.Name) and n.id in scope.params and
-                                                       _LOADER_NAME.search(n.id) for a in made.args for n in ast.walk(a)):
-                    continue        # (``loader = tqdm(loader)``: what a caller handed in, taken there)
-                held = values.name(name, scope)
-                if sampler in held or any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler")
-                                          for v in held):
-                    loader = not any(v == sampler for v in held)
-                    # (the binding that holds it: ``loader = dist_loader(...)`` in the else of
-                    # ``if single: loader = plain_loader(...)``)
-                    made = next((value for value, path in bound if type(value) is ast.Call and _holds(
-                        values, values.unpack(values.expr(value, scope), path, value, scope), sampler)), made)
-                    out.append((module, made, f"{name}.sampler" if loader else name, scope))
+        for scope, name, bound in _loader_bindings(values, module):
+            made = bound[0][0]
+            if isinstance(scope, Function) and any(isinstance(n, ast.Name) and n.id in scope.params and
+                                                   _LOADER_NAME.search(n.id) for a in made.args for n in ast.walk(a)):
+                continue        # (``loader = tqdm(loader)``: what a caller handed in, taken there)
+            held = values.name(name, scope)
+            if _holds(values, held, sampler):
+                loader = not any(v == sampler for v in held)
+                # (the binding that holds it: ``loader = dist_loader(...)`` in the else of
+                # ``if single: loader = plain_loader(...)``)
+                made = next((value for value, path in bound if type(value) is ast.Call and _holds(
+                    values, values.unpack(values.expr(value, scope), path, value, scope), sampler)), made)
+                out.append((module, made, f"{name}.sampler" if loader else name, scope))
     if not out:
         # ``def train_validate_test(model, optimizer, train_loader, ...)``: handed the loader, it loops
         # over epochs itself (said at that loop)
         for module in program.project.linted():
-            for fn in module.functions.values():
-                loop = _epoch_loop_of(fn)
-                if loop is None:
-                    continue
-                for name in fn.params:
-                    if _LOADER_NAME.search(name) and not _EVALUATION.search(name) and any(
-                            isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler")
-                            for v in values.parameter(fn, name)):
-                        out.append((module, loop, f"{name}.sampler", fn))
+            for fn, loop, name in _handed_loaders(module):
+                if not _EVALUATION.search(name) and _draws_from(values, values.parameter(fn, name), sampler):
+                    out.append((module, loop, f"{name}.sampler", fn))
         return out
     # a builder of the linted files that returns what it binds is not where the loader is iterated:
     # its callers are (unless no linted file calls it)
@@ -109,9 +113,14 @@ def _epoch_loop_of(fn) -> Optional[ast.For]:
     return None
 
 
+def _draws_from(values, held, sampler) -> bool:
+    """Is one of ``held`` a loader whose ``.sampler`` is ``sampler``?"""
+    return any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler") for v in held)
+
+
 def _holds(values, held, sampler) -> bool:
-    return sampler in held or any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler")
-                                  for v in held)
+    """Is ``sampler`` one of ``held``, or drawn from by a loader among them?"""
+    return sampler in held or _draws_from(values, held, sampler)
 
 
 def _returns_name(scope, name: str) -> bool:

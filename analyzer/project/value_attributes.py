@@ -255,7 +255,7 @@ def _rewritten_stores(stores, attr: str) -> set:
             # (only a framework's ``prepare`` / ``setup``, which hands back new objects: a
             # ``convert_sync_batchnorm(self.model)`` or ``DDP(self.model)`` is read through the stores
             # before it, which say what it wraps)
-            if not (isinstance(value, (ast.Call, ast.Tuple)) and _prepares(value)):
+            if not _prepares(value):
                 continue
             if id(value) in body_values and any(
                     isinstance(n, ast.Attribute) and n.attr == attr and isinstance(n.value, ast.Name) and
@@ -267,8 +267,6 @@ def _rewritten_stores(stores, attr: str) -> set:
 
 
 def _prepares(value) -> bool:
-    call = value if isinstance(value, ast.Call) else None
-    if call is None:
-        return False
-    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
-    return name in ("prepare", "prepare_model", "prepare_optimizer", "setup", "setup_module", "setup_optimizers")
+    """Is the stored value a framework's ``prepare`` / ``setup`` call?"""
+    return isinstance(value, ast.Call) and called_name(value) in (
+        "prepare", "prepare_model", "prepare_optimizer", "setup", "setup_module", "setup_optimizers")
