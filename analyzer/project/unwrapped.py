@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import enclosing_function
 from synccheck.analyzer.project.traversal import walk
+from synccheck.analyzer.project.value_helpers import views_of_the_inner_module
 from synccheck.analyzer.project.values import Framework, Inner, Inst, Obj, Unknown, Wrapper
 
 
@@ -125,12 +126,12 @@ def _unwrapped_alias(values, scope, target) -> bool:
     bindings = values.info(scope).assigns.get(target.id, ())
     if not bindings or any(path for _, path in bindings):
         return False
-    if len(bindings) == 2 and _module_or_itself(bindings[0][0], bindings[1][0]):
+    if len(bindings) == 2 and views_of_the_inner_module(bindings[0][0], bindings[1][0]):
         # ``if args.distributed: d_module = discriminator.module`` / ``else: d_module = discriminator``
         return True
     for value, path in bindings:
         if isinstance(value, ast.IfExp):
-            if not _module_or_itself(value.body, value.orelse):
+            if not views_of_the_inner_module(value.body, value.orelse):
                 return False
         elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "getattr" and \
                 len(value.args) == 3 and isinstance(value.args[1], ast.Constant) and value.args[1].value == "module":
@@ -139,19 +140,6 @@ def _unwrapped_alias(values, scope, target) -> bool:
         else:
             return False
     return True
-
-
-def _module_or_itself(a, b) -> bool:
-    """``m.module`` and ``m`` (either order), or two views of the one module inside ``m``
-    (``m.module._orig_mod`` and ``m.module``, LlamaGen's compiled model)."""
-    def inside(node):
-        while isinstance(node, ast.Attribute):
-            if node.attr == "module":
-                return ast.dump(node.value)
-            node = node.value
-        return None
-    return any(isinstance(x, ast.Attribute) and x.attr == "module" and ast.dump(x.value) == ast.dump(y)
-               for x, y in ((a, b), (b, a))) or (inside(a) is not None and inside(a) == inside(b))
 
 
 def _in_a_prepared_container(program, target) -> Optional[Wrapper]:

@@ -217,6 +217,22 @@ def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:
 def module_or_itself(inside, plain, test) -> bool:
     """Is ``inside`` ``x.module`` and ``plain`` ``x``, for the name ``x`` that ``test`` reads (one side of
     an unwrap: ``x.module if is_parallel(x) else x``)?"""
-    return isinstance(inside, ast.Attribute) and inside.attr == "module" and isinstance(plain, ast.Name) and \
-        isinstance(inside.value, ast.Name) and inside.value.id == plain.id and \
+    return isinstance(plain, ast.Name) and is_module_of(inside, plain) and \
         any(isinstance(n, ast.Name) and n.id == plain.id for n in ast.walk(test))
+
+
+def is_module_of(inside, outer) -> bool:
+    """Is ``inside`` written ``<outer>.module``?"""
+    return isinstance(inside, ast.Attribute) and inside.attr == "module" and ast.dump(inside.value) == ast.dump(outer)
+
+
+def views_of_the_inner_module(a, b) -> bool:
+    """``m.module`` and ``m`` (either order), or two views of the one module inside ``m``
+    (``m.module._orig_mod`` and ``m.module``, LlamaGen's compiled model)."""
+    def inside(node):
+        while isinstance(node, ast.Attribute):
+            if node.attr == "module":
+                return ast.dump(node.value)
+            node = node.value
+        return None
+    return is_module_of(a, b) or is_module_of(b, a) or (inside(a) is not None and inside(a) == inside(b))
