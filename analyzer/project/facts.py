@@ -18,8 +18,6 @@ condition, which excludes the synced case on the boundary, does.
 from __future__ import annotations
 
 import ast
-import re
-from functools import lru_cache
 
 from typing import NamedTuple, Optional
 
@@ -28,6 +26,7 @@ from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.gradient_cache import window_cache
 from synccheck.analyzer.project.guards import MAX_ATOMS, assignments, depends_on, exists
 from synccheck.analyzer.project.state import PLAIN
+from synccheck.analyzer.project.type_tests import _distributed_value
 
 
 class Backward(NamedTuple):
@@ -115,49 +114,6 @@ class Records:
 # queries
 
 NON_BOUNDARY = ("superseded", "wiped")
-
-
-# a test of whether the job is distributed at all (not ``n_gpu > 1``: DataParallel's, one GPU per
-# DDP process in the same scripts)
-_DISTRIBUTED_JOB = re.compile(r"distributed|is_initialized|is_dist\b|world_size|\bddp\b|use_ddp|use_dist", re.I)
-
-
-@lru_cache(maxsize=4096)
-def _distributed_value(text: str) -> Optional[bool]:
-    """The truth value of a test (an atom's text) in a distributed job: ``args.distributed`` True,
-    ``not dist.is_initialized()`` False, ``world_size == 1`` False; None for any other test
-    (``ooms == world_size * len(samples)`` says nothing of the job)."""
-    if not _DISTRIBUTED_JOB.search(text):
-        return None
-    try:
-        test = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        return None
-    return _job_test(test)
-
-
-def _job_test(test) -> Optional[bool]:
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = _job_test(test.operand)
-        return None if inner is None else not inner
-    if isinstance(test, ast.Call) and not test.args:
-        name = test.func.attr if isinstance(test.func, ast.Attribute) else getattr(test.func, "id", "")
-        return True if name in ("is_initialized", "is_distributed", "is_dist_avail_and_initialized") else None
-    if isinstance(test, (ast.Name, ast.Attribute)):
-        name = (test.attr if isinstance(test, ast.Attribute) else test.id).lstrip("_")
-        return True if re.fullmatch(r"(?i)(?:args_)?(?:distributed|is_distributed|is_dist|ddp|use_ddp|use_dist|"
-                                    r"use_distributed|dist_train|distributed_training)", name) else None
-    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant) and \
-            isinstance(test.left, (ast.Name, ast.Attribute, ast.Call)) and \
-            re.search(r"(?i)world_size|num_processes", ast.unparse(test.left)):
-        n, op = test.comparators[0].value, type(test.ops[0])
-        if not isinstance(n, int) or isinstance(n, bool):
-            return None
-        if (op is ast.Gt and n == 1) or (op is ast.GtE and n == 2) or (op is ast.NotEq and n == 1):
-            return True
-        if (op is ast.Eq and n == 1) or (op is ast.Lt and n == 2) or (op is ast.LtE and n == 1):
-            return False
-    return None
 
 
 class Population:
