@@ -18,7 +18,7 @@ CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "s
 
 
 # (``torch.distributed``, ``DistributedDataParallel``, a project's ``distributed_utils``)
-FRAMEWORKS = ("distributed", "Distributed", "accelerate", "lightning")
+FRAMEWORKS = ("distributed", "Distributed", "accelerate", "accelerator.", "fabric.", "lightning")
 # decorators whose function runs on the main process only
 RANK_DECORATORS = ("rank_zero_only", "on_main_process", "on_local_main_process", "main_process_only", "rank0_only",
                    "master_only", "on_rank_zero")
@@ -167,6 +167,23 @@ class _CollectiveFunctions:
                     grown = True
         return not self.runs.isdisjoint(names)
 
+    def called_through(self, names) -> set:
+        """The names called (``f(``, ``module.f(``) in the bodies of these functions of the file and of
+        the functions of the file they call, transitively."""
+        seen, out = set(), set()
+        todo = [n for n in names if n in self.defs]
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for match in self.defs[name]:
+                body = self._body(match)
+                called = set(CALLED.findall(body)) | set(MODULE_CALLED.findall(body))
+                out |= called
+                todo.extend(c for c in called if c in self.defs and c not in seen)
+        return out
+
     def _body(self, match) -> str:
         """From the ``def`` line (a one-line body is on it) to the first line indented no deeper, that is
         not the end of a wrapped signature (``):``) nor inside a triple-quoted string."""
@@ -239,12 +256,21 @@ def _rank_branch_calls_imported(text: str) -> bool:
         return True     # ``@leader_only()`` from the project: its wrapper may meet the ranks in a barrier
     # and the objects made from them (``tracker = MeanTracker(device)``; ``tracker.synced_mean()``;
     # ``backend = distributed_utils.set_backend(args)``; ``backend.average_all(loss)``)
+    # (or kept on ``self``: ``self.alg = PPO(policy, ...)``; ``self.alg.broadcast_parameters()``, rsl_rl's runner)
     made = {name for name, cls in _MADE_FROM.findall(text) if cls in imported}
-    return any(imported.intersection(CALLED.findall(body)) or (imported | made).intersection(MODULE_CALLED.findall(body))
-               for body in _rank_blocks(text))
+    bodies = list(_rank_blocks(text))
+    if any(imported.intersection(CALLED.findall(body)) or (imported | made).intersection(
+            MODULE_CALLED.findall(body) + SELF_ATTRIBUTE_CALLED.findall(body)) for body in bodies):
+        return True
+    # through a function of this file: ``if local_rank in [-1, 0]: evaluate(args, model)``, whose
+    # ``load_and_cache_examples`` (imported) meets the others in a barrier (transformers#998)
+    local = _CollectiveFunctions(text)
+    called = {name for body in bodies for name in CALLED.findall(body) if name in local.defs}
+    return bool(called) and not (imported | made).isdisjoint(local.called_through(called))
 
 
-_MADE_FROM = re.compile(r"^[ \t]*(\w+)[ \t]*=[ \t]*(\w+)(?:\.\w+)?\(", re.M)
+_MADE_FROM = re.compile(r"^[ \t]*((?:self\.)?\w+)[ \t]*=[ \t]*(\w+)(?:\.\w+)?\(", re.M)
+SELF_ATTRIBUTE_CALLED = re.compile(r"(?<![\w.])(self\.\w+)\.\w+\s*\(")
 _DECORATOR_NAME = re.compile(r"^[ \t]*@(\w+)", re.M)
 # a decorator whose name says it is about the ranks (torch's own files use dozens of other decorators)
 _RANK_DECORATOR_WORDS = re.compile(r"leader|main|rank|master|zero|primary|chief|barrier|sync", re.I)
