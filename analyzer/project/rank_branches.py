@@ -123,13 +123,16 @@ class _RankChecker(RankTests):
         self._guarded = 0                    # how many tests other than the ranks' guard the walk here
         self.guarded: set = set()            # ids of the collectives found under such a test, on one side
         self.serving: set = set()            # the scopes with a serving loop on one side (_serving_loop)
+        self._context: list = []             # the tests a rank branch's ``return`` sits under (walk)
 
     def _extra_condition(self, test, scope) -> bool:
         """Is ``test`` a rank test joined by ``and`` to a test that is not about the ranks or the job?"""
         return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and \
             any(self._sides(v, scope, 0) == (None, None) for v in test.values)
 
-    def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> None:
+    def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> Optional[tuple]:
+        """Collect the collectives of ``stmts`` with the side of the rank tests they run on. Returns
+        (side, test) where a rank branch returns and only the other side goes on past ``stmts``."""
         for i, stmt in enumerate(stmts):
             if isinstance(stmt, ast.If):
                 read = self._sides(stmt.test, scope, 0)
@@ -156,18 +159,29 @@ class _RankChecker(RankTests):
                         # ``if not is_main: return``: the rest of the block runs on the other side only
                         # (``if not fsdp and not is_main: return``: on every rank when ``fsdp`` holds)
                         self.walk(stmts[i + 1:], on_false, negated, scope, found)
-                        return
+                        return (on_false, negated) if isinstance(stmt.body[-1], ast.Return) else None
                     if else_exits and not body_exits:
                         self.walk(stmts[i + 1:], on_true, text, scope, found)
-                        return
+                        return (on_true, text) if isinstance(stmt.orelse[-1], ast.Return) else None
                     continue
                 self._calls(stmt.test, side, test, scope, found)
                 # a test that is not the ranks' inside a rank branch: what it guards runs on some turns
-                guarded = side is not None and on_true is None and on_false is None
+                # (not the test a rank branch's ``return`` sits under: after it, the same test holds on
+                # both sides)
+                said = ast.unparse(stmt.test)
+                guarded = side is not None and on_true is None and on_false is None and said not in self._context
                 self._guarded += guarded
-                self.walk(stmt.body, side, test, scope, found)
-                self.walk(stmt.orelse, side, test, scope, found)
+                left = self.walk(stmt.body, side, test, scope, found)
+                left_else = self.walk(stmt.orelse, side, test, scope, found)
                 self._guarded -= guarded
+                if side is None and left is not None and left_else is None and not _exits(stmt.orelse):
+                    # ``if self.distributed: ... if not is_main: barrier(); return``: after this ``if``
+                    # only the side that did not return goes on (YOLOX's evaluator: the others'
+                    # barrier before their return, the main rank's after its gather, under the same test)
+                    self._context.append(said)
+                    self.walk(stmts[i + 1:], left[0], left[1], scope, found)
+                    self._context.pop()
+                    return left
                 continue
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
