@@ -390,7 +390,9 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         if models:
             return forward(flow, node, models, args, kws, st, fr)
     if fn.contextmanager:
-        key = id(node)
+        # (one per function: ``backend.get_context_for_microstep_forward(...)`` dispatched over a DDP
+        # backend and a single-process one names two helpers at one call)
+        key = (id(node), fn.uid)
         flow.helpers[key] = (fn, receiver, args, kws, node)
         return _val(frozenset((FlowHelper(key),)))
     result = inline(flow, fn, node, receiver, args, kws, st, fr)

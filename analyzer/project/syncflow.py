@@ -45,6 +45,10 @@ _DISTRIBUTED_WORDS = re.compile(r"num_processes|world_size|distributed|multi_gpu
 
 MAX_DEPTH = 8
 MAX_WORK = 60_000          # statements executed per root, inlined calls included
+# the same, each statement counted once per property it carries: a root whose properties multiply
+# (ColossalAI's GRPO consumer loop inlining pipeline schedules: 40 million within a minute, where
+# the largest of diffusers' and the corpus's roots stay under a million) stops here, incomplete
+MAX_COST = 3_000_000
 UNKNOWN_VAL = EnvVal(((TRUE, ONE_UNKNOWN),))
 
 
@@ -77,6 +81,7 @@ class Flow(Branches, Loops):
         self._first_masks: dict = {}
         self.memo: dict = {}
         self.work = 0
+        self.cost = 0                    # statements times the properties they carried (MAX_COST)
         self.peak = 0                    # the most properties a loop head held (what a statement costs)
         self.incomplete = False
         self.calls_loop = None           # the root frame, when the root is the body of a loop out of view
@@ -85,7 +90,7 @@ class Flow(Branches, Loops):
         self.entering: list = []         # ids of the withs whose context object's __enter__ runs now
         self.call_stack: list = []       # (module, call) of the project calls being analysed in place
         self.loop_owner: dict = {}       # loop id -> (module, depth of call_stack) where it runs
-        self.helpers: dict = {}          # call id -> a @contextmanager helper call, entered by a with
+        self.helpers: dict = {}          # (call id, function) -> a @contextmanager helper call, entered by a with
         self.partials: dict = {}         # call id -> functools.partial(f, ...)
         self.exitstacks: dict = {}       # ExitStack creation site -> the with statement that owns it
 
@@ -136,7 +141,8 @@ class Flow(Branches, Loops):
             if st is None or not st.props:
                 return None
             self.work += 1
-            if self.work > MAX_WORK:
+            self.cost += len(st.props)
+            if self.work > MAX_WORK or self.cost > MAX_COST:
                 self.incomplete = True
                 return None
             st = self.stmt(s, st, fr)
