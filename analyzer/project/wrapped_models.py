@@ -187,7 +187,9 @@ class WrappedModels:
                 for scope, call in self.values.calls(name):
                     owner = self._loop_over_parameters(scope, call)
                     if owner is not None:
-                        out |= self.wrappers(self.values.expr(owner, scope))
+                        # (``model.module.parameters()`` too: the wrapper's parameters)
+                        owners = self.values.expr(owner, scope)
+                        out |= self.wrappers(owners) | self.models_of(owners)
             self._managed = frozenset(out)
         return self._managed
 
@@ -209,14 +211,23 @@ class WrappedModels:
             if "parameters(" in scope.module.segment(scope.node):
                 for loop in walk_no_defs(scope.node):
                     it = loop.iter if isinstance(loop, ast.For) else None
-                    if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and \
-                            it.func.attr in ("parameters", "named_parameters"):
+                    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip":
+                        # ``for p, p0 in zip(model.parameters(), outer_params):`` (DiLoCo's outer step
+                        # all-reduces the pseudo-gradient ``p0.grad = p0.data - p.data``)
+                        it = next((a for a in it.args if _parameters_call(a)), None)
+                    if _parameters_call(it):
                         names = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)}
                         loops.append(({id(n) for n in walk(loop)}, names, it.func.value))
         for inside, names, owner in loops:
             if id(call) in inside and any(isinstance(n, ast.Name) and n.id in names for n in walk(call.args[0])):
                 return owner
         return None
+
+
+def _parameters_call(node) -> bool:
+    """``model.parameters()`` / ``model.named_parameters()``."""
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+        node.func.attr in ("parameters", "named_parameters")
 
 
 def _wraps(vals) -> bool:
