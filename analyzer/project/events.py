@@ -320,6 +320,20 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
         key = _item_key(target, st)
         if key is not None:
             st.env[key[0]] = _versioned(value, version)._replace(origin=("item of", key[1]))
+            container = target.value
+            # (only for the item that is the loss: ``losses["aux"] = losses["loss"] / 2`` divides another)
+            named_loss = isinstance(target.slice, ast.Constant) and "loss" in str(target.slice.value).lower()
+            while value.scaled is True and named_loss:
+                # the container is as divided as its loss: ``return output_dict, loss_dict`` hands the
+                # caller a dict whose ``loss_dict["loss"]`` the callee divided (GeoTransformer), and
+                # ``info["loss_dict"]["loss"] = ...`` divides ``info`` too (wenet's batch_forward)
+                base = _item_base(container) if type(container) is ast.Subscript else _dotted(container)
+                known = st.env.get(base) if base is not None else None
+                if known is not None and known.scaled is not True:
+                    st.env[base] = known._replace(scaled=True)
+                if type(container) is not ast.Subscript:
+                    break
+                container = container.value
 
 
 def _losses_scaled(parts) -> Optional[bool]:
@@ -384,13 +398,22 @@ _COPIES = (ast.Name, ast.Attribute, ast.Subscript, ast.Dict, ast.BinOp)
 def _item_key(node: ast.Subscript, st):
     """(env key, version of the container) for ``outputs["loss"]`` / ``self.out[0]``: a constant item of
     a name or attribute chain; None for anything else."""
-    if type(node.slice) is not ast.Constant or not isinstance(node.slice.value, (str, int)):
-        return None
-    base = _dotted(node.value)
+    base = _item_base(node)
     if base is None:
         return None
     known = st.env.get(base)
     return f"{base}[{node.slice.value!r}]", known.version if known is not None else 0
+
+
+def _item_base(node: ast.Subscript) -> Optional[str]:
+    """The env key of what ``node`` takes a constant item of: ``outputs`` for ``outputs["loss"]``,
+    ``info['loss_dict']`` for ``info["loss_dict"]["loss"]`` (wenet's nested dicts); None otherwise."""
+    if type(node.slice) is not ast.Constant or not isinstance(node.slice.value, (str, int)):
+        return None
+    if type(node.value) is ast.Subscript:
+        inner = _item_base(node.value)
+        return None if inner is None else f"{inner}[{node.value.slice.value!r}]"
+    return _dotted(node.value)
 
 
 def _cond_of(flow, value: EnvVal, node, st, fr) -> tuple:
