@@ -68,10 +68,10 @@ def samplers_without_set_epoch(program) -> list:
         last = _last_name(call.func.value)
         if _DATASET.search(last) and "sampler" not in last.lower():
             continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
-        if never_runs(program, scope) and not (class_never_made(program, scope) and any(
-                isinstance(s, Function) and s.cls is scope.cls for *_, s in made)):
+        if never_runs(program, scope) and not any(_reseeds_its_own(program, scope, s) for *_, s in made):
             # ``set_epoch`` in a hook nothing calls, or a hook class nothing registers (a class that
-            # makes its sampler and reseeds it is one piece: made by a script out of view, or by nobody)
+            # makes its sampler and reseeds it is one piece: made by a script out of view, or by nobody;
+            # so is a base trainer's epoch loop reseeding what its subclass's get_dataloader built)
             continue
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
@@ -164,6 +164,17 @@ def _main_rank_test(checker, scope, call) -> Optional[str]:
         if (on_true if in_body else on_false) == "main":
             return ast.unparse(n.test) if in_body else f"not ({ast.unparse(n.test)})"
     return None
+
+
+def _reseeds_its_own(program, scope, made_in) -> bool:
+    """Does the method ``scope`` reseed a sampler its own class makes (made by a script out of view,
+    or by nobody), or one a subclass of it makes, the subclass made by nobody in view (a base
+    trainer's epoch loop, the subclass's ``get_dataloader``: ultralytics)?"""
+    if not isinstance(made_in, Function) or made_in.cls is None or not isinstance(scope, Function) or scope.cls is None:
+        return False
+    if made_in.cls is scope.cls:
+        return class_never_made(program, scope)
+    return made_in.cls in program.project.subclasses(scope.cls) and class_never_made(program, made_in)
 
 
 def _seeded_by_set_epoch(klass) -> bool:
