@@ -384,7 +384,8 @@ class Flow(Branches, Loops):
                         site = site_of(caller_module, call)
                         self.records.node(site, caller_module, call)
                         return site
-            elif module is not loop_module and not self._holds_the_micro_step(module, node):
+            elif module is not loop_module and not self._holds_the_micro_step(module, node) and \
+                    not self._fills_the_hook(module, node, depth):
                 for caller_module, call in reversed(self.call_stack[depth:]):
                     if caller_module is loop_module:
                         site = site_of(caller_module, call)
@@ -423,6 +424,23 @@ class Flow(Branches, Loops):
             if isinstance(stmt, ast.If) and "step" in self.program.words(stmt.body, best):
                 return True
         return False
+
+    def _fills_the_hook(self, module, node, depth: int) -> bool:
+        """Is the backward ``node`` in a subclass's override of the hook the base class's loop calls on
+        ``self`` (``loss = self.train_step(batch, is_accumulating)``, a Fabric trainer's ``train_step``
+        making its own loss and backward in another file)? The micro-step's code, where its sync
+        control goes, is the override's: reported there."""
+        best = enclosing_function(module, node)
+        if best is None or best.cls is None or _loss_is_a_parameter(node, best) or len(self.call_stack) <= depth:
+            return False
+        caller_module, call = self.call_stack[depth]
+        func = getattr(call, "func", None)
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self" and
+                func.attr == best.node.name):
+            return False
+        caller = enclosing_function(caller_module, call)
+        return caller is not None and caller.cls is not None and caller.cls is not best.cls and \
+            best.cls in self.project.subclasses(caller.cls)
 
     def version(self, name: str, st: St):
         value = st.env.get(name)

@@ -4,6 +4,9 @@ from synccheck.analyzer.rules.base import Rule
 
 FIX = ("run the forward and backward of every micro-step but the last inside `model.no_sync()` "
        "(or use `synccheck.runtime.GradientAccumulator`, or `accelerator.accumulate(model)`)")
+# a model Fabric set up: its own context, which a loop's "is accumulating" flag drives
+FIX_FABRIC = ("run the forward and backward of every micro-step but the last inside "
+              "`fabric.no_backward_sync(model, enabled=is_accumulating)` (or use `synccheck.runtime.GradientAccumulator`)")
 # a model accelerate prepared, stepped inside an ``accumulate()`` that does not name it (a GAN's
 # ``accumulate(generator)`` with the discriminator trained beside it)
 FIX_PREPARED = ("name {name} in the accumulate context too: `accelerator.accumulate(...)` takes several models "
@@ -172,7 +175,7 @@ class SyncEveryMicrostep(Rule):
                     ctx.report(self, module, node, msg, FIX_PREPARED.format(name=name),
                                autofix=lambda: {"reason": "which accumulate() context to widen is for you to decide"})
                     continue
-                ctx.report(self, module, node, msg, FIX,
+                ctx.report(self, module, node, msg, FIX_FABRIC if getattr(model, "kind", "") == "fabric" else FIX,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))
 
 
