@@ -59,6 +59,7 @@ def window_cache(module, loop) -> bool:
             if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
                     and any(_root(n) in aliases for n in walk(stmt.value) if isinstance(n, (ast.Name, ast.Attribute))):
                 aliases.add(stmt.targets[0].id)
+        aliases |= _iterated_from(loop, aliases)
     # the slots before or after its own (``cache[:j]``, ``cache[j + 1:]``), or its own slot
     # overwritten (``feats[j] = out``); not its own slot read (``teacher[j]``, ``x[j * b:(j + 1) * b]``)
     return any(_at_counter(node, counters) and _root(node.value) in aliases for node in walk(loop)) or \
@@ -180,14 +181,32 @@ def _is_detached(value, detached: set) -> bool:
 
 def _root(node):
     """``cache`` for ``cache``, ``cache[k]``, ``cache[k][m]``; ``self.cache`` for ``self.cache[k]``."""
-    while isinstance(node, ast.Subscript):
-        node = node.value
+    while isinstance(node, ast.Subscript) or _setdefault(node):
+        # (``cache.setdefault(k, []).append(v)``: the cache's list for that key)
+        node = node.value if isinstance(node, ast.Subscript) else node.func.value
     if isinstance(node, (ast.Name, ast.Attribute)):
         try:
             return ast.unparse(node)
         except Exception:     # pragma: no cover - unparse of a plain name or attribute
             return None
     return None
+
+
+def _setdefault(node) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "setdefault"
+
+
+def _iterated_from(loop, aliases: set) -> set:
+    """The names a ``for`` of ``loop`` binds to a cache's entries (``for key, val in cache.items():``)."""
+    out = set()
+    for stmt in walk(loop):
+        if isinstance(stmt, ast.For):
+            it = stmt.iter
+            if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "values"):
+                it = it.func.value
+            if _root(it) in aliases:
+                out.update(n.id for n in walk(stmt.target) if isinstance(n, ast.Name))
+    return out
 
 
 def _mentions(node, names: set) -> bool:
