@@ -50,6 +50,11 @@ class Branches:
             # ``if no_sync_func is None: no_sync_func = nullcontext`` where the caller handed
             # ``model.no_sync`` (Megatron's schedules): the test's side where it is None is not taken
             true, false = (TRUE, 0) if never_none else (0, TRUE)
+        if true and false and fr.loops and fr.loops[-1].info.bound is not None and _out_of_data(s):
+            # ``if not batch: break`` in ``for micro in range(accum):`` after filling a micro-batch from
+            # an iterator: the data ran out in the middle of a window, the end of the run rather than a schedule (a window cut short
+            # there is not what the step's boundary is written for)
+            true, false = 0, TRUE
         if not s.orelse and true and false and distributed_switch(s.test) and _SYNC_TEXT.search(
                 fr.module.segment(s) or ""):
             true, false = TRUE, 0       # the run with no data-parallel model has nothing to check
@@ -249,3 +254,21 @@ def _count_is_one(test) -> tuple:
     if (op, n) in ((ast.Gt, 1), (ast.GtE, 2), (ast.NotEq, 1)):
         return ast.unparse(test.left), False
     return None, None
+
+
+def _out_of_data(s: ast.If) -> bool:
+    """``if not batch: break`` / ``if batch is None: break`` / ``if len(batch) == 0: break``: a loop
+    left when a name filled from the data holds nothing."""
+    if s.orelse or len(s.body) != 1 or not isinstance(s.body[0], ast.Break):
+        return False
+    test = s.test
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return isinstance(test.operand, ast.Name)
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and len(test.comparators) == 1:
+        left, op, right = test.left, test.ops[0], test.comparators[0]
+        if isinstance(left, ast.Name) and isinstance(op, ast.Is) and isinstance(right, ast.Constant) and right.value is None:
+            return True
+        return isinstance(left, ast.Call) and isinstance(left.func, ast.Name) and left.func.id == "len" and \
+            len(left.args) == 1 and isinstance(left.args[0], ast.Name) and isinstance(op, ast.Eq) and \
+            isinstance(right, ast.Constant) and right.value == 0
+    return False
