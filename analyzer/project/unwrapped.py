@@ -54,7 +54,7 @@ def no_sync_on_unwrapped(program) -> list:
             # wrapper this is the module inside it (and where there is none, ``.module`` fails)
             out.append(Unwrapped(module, call, _text(module, call), _binding(program, inner[0].wrapper), "module"))
             continue
-        container = _in_a_prepared_container(program, target_node) if call.args else None
+        container = _in_a_prepared_container(program, target_node, scope) if call.args else None
         if container is not None:
             # ``trainable_layers = ModuleList([pipeline.unet])`` prepared, then
             # ``accelerator.accumulate(pipeline.unet)``: the module inside the prepared container is not
@@ -142,10 +142,16 @@ def _unwrapped_alias(values, scope, target) -> bool:
     return True
 
 
-def _in_a_prepared_container(program, target) -> Optional[Wrapper]:
+def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:
     """The wrapper built around a container made of the module ``target`` names (``ModuleList([x])``,
-    ``AttnProcsLayers(x.attn_processors)``), when ``target`` is an attribute chain (``pipeline.unet``)."""
-    if not isinstance(target, ast.Attribute):
+    ``AttnProcsLayers(x.attn_processors)``), when ``target`` is an attribute chain (``pipeline.unet``),
+    or a plain name with the container made in the same function (``lora_layers =
+    AttnProcsLayers(unet.attn_processors)`` beside ``accelerator.accumulate(unet)``)."""
+    if isinstance(target, ast.Name):
+        if scope is None or not hasattr(scope, "node"):
+            return None
+        here = {id(n) for n in walk(scope.node)}
+    elif not isinstance(target, ast.Attribute):
         return None
     text = ast.unparse(target)
     for inner, wrappers in program.wrapping().items():
@@ -155,6 +161,8 @@ def _in_a_prepared_container(program, target) -> Optional[Wrapper]:
         module = program.project.module_at(site[0])
         made = _call_at(module, site[1], site[2]) if module is not None else None
         if made is None or not made.args:
+            continue
+        if isinstance(target, ast.Name) and id(made) not in here:
             continue
         for arg in list(made.args) + [k.value for k in made.keywords]:
             if any(isinstance(n, ast.Attribute) and (ast.unparse(n) == text or ast.unparse(n.value) == text)
