@@ -27,6 +27,9 @@ _RANK_NUMBER = re.compile(r"(?:^|[._])(?:rank|global_rank|local_rank|get_rank|ge
 # a test of whether the job is distributed at all: false, there is one process
 DISTRIBUTED_TEST = re.compile(r"distributed|is_initialized|is_dist|world_size|ddp|multi_gpu|n_gpu|num_gpus|"
                               r"num_processes|use_dist", re.I)
+# a test of how the job was launched, the same on every rank (``accelerator.distributed_type ==
+# DistributedType.DEEPSPEED``, ``args.deepspeed``)
+_LAUNCH_TEST = re.compile(r"deepspeed", re.I)
 
 
 class RankTests:
@@ -47,7 +50,10 @@ class RankTests:
             on_true, on_false = self._sides(test.operand, scope, depth + 1)
             return on_false, on_true
         if isinstance(test, ast.BoolOp):
-            parts = [self._sides(v, scope, depth + 1) for v in test.values]
+            # (a test of how the job was launched, ``distributed_type == DistributedType.DEEPSPEED``,
+            # says nothing of the ranks nor of whether the job is distributed)
+            parts = [(None, None) if _LAUNCH_TEST.search(ast.unparse(v)) and not RANK_NAME.search(ast.unparse(v))
+                     else self._sides(v, scope, depth + 1) for v in test.values]
             trues, falses = [p[0] for p in parts], [p[1] for p in parts]
             if isinstance(test.op, ast.Or):
                 # ``not a or not b`` is ``not (a and b)``
@@ -60,6 +66,13 @@ class RankTests:
             on_false = _agree(falses) if all(f is not None for f in falses) else None
             if isinstance(test.op, ast.Or):
                 on_true, on_false = on_false, on_true
+            if isinstance(test.op, ast.Or) and (on_true, on_false) == (None, "other") and any(
+                    _LAUNCH_TEST.search(ast.unparse(v)) for v in test.values):
+                # ``if accelerator.distributed_type == DistributedType.DEEPSPEED or is_main_process:``
+                # (diffusers' checkpoint guard): every rank enters under DeepSpeed, only the main rank
+                # otherwise -- a launch setting, the same on every rank. What the block runs for every
+                # rank under DeepSpeed (``save_state``) is fine; a barrier there waits alone otherwise.
+                on_true = "main"
             if not {"main", "other", "single"} & {on_true, on_false}:
                 # (``local_rank == -1 and evaluate_during_training``: still a test of a job that is
                 # not distributed, which a rank branch around it must see)
