@@ -20,7 +20,11 @@ def _runs_deepspeed(module) -> bool:
     """Does the script say it runs under DeepSpeed (``--use_deepspeed``, ``DeepSpeedPlugin(...)``,
     ``DistributedType.DEEPSPEED``, a ``deepspeed_config`` file)? (diffusers' examples name the plugin
     only to turn ZeRO-3's init off for their frozen models: not enough.)"""
-    return _RUNS_DEEPSPEED.search(module.text) is not None
+    if _RUNS_DEEPSPEED.search(module.text) is not None:
+        return True
+    # (or the project's accelerate launch configurations are all DeepSpeed's)
+    from synccheck.analyzer.project.launch_configs import ships_only_deepspeed
+    return "accelerat" in module.text and ships_only_deepspeed(module.path)
 
 
 # a method name that says the method talks to the other ranks

@@ -27,7 +27,8 @@ class FrameworkValues:
         # config makes, so this Accelerator runs DeepSpeed; its engine decides the accumulation
         # boundary and reduces the gradients there (gpt4all's train.py)
         kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) or \
-            _deepspeed_only(scope) or self._plugged_deepspeed(call.func, scope) else "accelerate"
+            _deepspeed_only(scope) or self._plugged_deepspeed(call.func, scope) or \
+            _launched_with_deepspeed(module) else "accelerate"
         for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
             source = _comprehension_source(arg, scope)
@@ -123,6 +124,12 @@ def _reads_the_plugin(stmt) -> bool:
             return True
         todo.extend(ast.iter_child_nodes(n))
     return False
+
+
+def _launched_with_deepspeed(module) -> bool:
+    """Are the accelerate launch configurations the project ships all DeepSpeed's (launch_configs.py)?"""
+    from synccheck.analyzer.project.launch_configs import ships_only_deepspeed
+    return bool(getattr(module, "path", None)) and ships_only_deepspeed(module.path)
 
 
 def _deepspeed_only(scope) -> bool:

@@ -1,0 +1,62 @@
+"""The accelerate launch configurations a project ships (``accelerate launch --config_file
+ds_zero3.yaml train.py``): YAML files beside a script or above it that say ``distributed_type:``.
+Read as text, never imported. A script whose project ships only DeepSpeed configurations runs under
+DeepSpeed, though its own code never says so (kamalkraj/e5-mistral-7b-instruct's ds_zero3_cpu.yaml)."""
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+
+_DISTRIBUTED_TYPE = re.compile(r"^[ \t]*distributed_type[ \t]*:[ \t]*['\"]?(\w+)", re.M)
+_LEVELS = 3                 # the script's folder and this many above it
+_MAX_FILES = 64             # YAML files read per folder, at most
+_MAX_BYTES = 64_000
+
+
+def ships_only_deepspeed(path: str) -> bool:
+    """Do the accelerate configurations found beside ``path`` (its folder, the folders above it, and
+    their sub-folders named for configs) all launch DeepSpeed, at least one of them?"""
+    if not os.path.isfile(path):
+        return False        # (a text checked on its own: no folder around it)
+    kinds: set = set()
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(_LEVELS + 1):
+        kinds |= _kinds_in(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return bool(kinds) and kinds == {"DEEPSPEED"}
+
+
+@lru_cache(maxsize=256)
+def _kinds_in(folder: str) -> frozenset:
+    """The ``distributed_type`` values of the YAML files of ``folder`` and of its sub-folders whose name
+    says they hold configurations."""
+    out = set()
+    for where in [folder] + _config_folders(folder):
+        try:
+            names = sorted(os.listdir(where))[:_MAX_FILES * 4]
+        except OSError:
+            continue
+        read = 0
+        for name in names:
+            if not name.endswith((".yaml", ".yml")) or read >= _MAX_FILES:
+                continue
+            read += 1
+            try:
+                with open(os.path.join(where, name), "rb") as f:
+                    text = f.read(_MAX_BYTES).decode("utf-8", "replace")
+            except OSError:
+                continue
+            out.update(m.upper() for m in _DISTRIBUTED_TYPE.findall(text))
+    return frozenset(out)
+
+
+def _config_folders(folder: str) -> list:
+    try:
+        return [os.path.join(folder, d) for d in sorted(os.listdir(folder))
+                if "config" in d.lower() and os.path.isdir(os.path.join(folder, d))]
+    except OSError:
+        return []
