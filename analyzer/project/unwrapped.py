@@ -54,7 +54,12 @@ def no_sync_on_unwrapped(program) -> list:
             # wrapper this is the module inside it (and where there is none, ``.module`` fails)
             out.append(Unwrapped(module, call, _text(module, call), _binding(program, inner[0].wrapper), "module"))
             continue
-        container = _in_a_prepared_container(program, target_node, scope) if call.args else None
+        container = None
+        if call.args:
+            # (each model named: ``accumulate(unet, text_encoder)``, or a tuple of them, GenzIVQA's
+            # ``accumulate((coop_model, unet))``)
+            named = call.args[0].elts if isinstance(call.args[0], (ast.Tuple, ast.List)) else call.args
+            container = next((c for c in (_in_a_prepared_container(program, n, scope) for n in named) if c), None)
         if container is not None:
             # ``trainable_layers = ModuleList([pipeline.unet])`` prepared, then
             # ``accelerator.accumulate(pipeline.unet)``: the module inside the prepared container is not
