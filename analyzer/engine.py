@@ -384,8 +384,10 @@ def _analyse_component(args) -> tuple:
 def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: tuple = (),
                    single_files: bool = False) -> tuple:
     from synccheck.analyzer.parse import parse
+    from synccheck.analyzer.project import launch_configs
     from synccheck.analyzer.project.index import Project
 
+    launch_configs.reset()
     rules = [BY_CODE[c] for c in codes]
     findings: list = []
     errors: list = []
@@ -437,6 +439,9 @@ def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: 
         mine = [f for f in by_path.get(path, []) if not ignored(f.code, off)]
         findings.extend(_mapped(suppressed(text, mine, tree), notebook))
     deps = [m.path for m in lazily_parsed if not m.linted]
+    # (and the accelerate launch configurations read: a folder's listing, a YAML file)
+    from synccheck.analyzer.project import launch_configs
+    deps += launch_configs.consulted()
     return findings, errors, parsed, deps
 
 

@@ -1515,3 +1515,30 @@ LIBRARY_CALLBACK_SEEDS_THE_SAMPLER = {
 
 def test_a_library_callbacks_hook_is_taken_to_run(tmp_path):
     check_project(tmp_path, LIBRARY_CALLBACK_SEEDS_THE_SAMPLER)
+
+
+def test_launch_configs_are_a_dependency_of_the_cached_result(tmp_path):
+    """A project whose only accelerate launch configuration says DeepSpeed makes save_state on rank 0 a
+    hang; editing that YAML (or adding a multi-GPU one beside it) must not be hidden by the cache."""
+    from synccheck.analyzer.engine import lint
+
+    (tmp_path / "train.py").write_text(
+        "from accelerate import Accelerator\n\n\n"
+        "def main(model, loader, out):\n"
+        "    accelerator = Accelerator(gradient_accumulation_steps=4)\n"
+        "    model, loader = accelerator.prepare(model, loader)\n"
+        "    for step, batch in enumerate(loader):\n"
+        "        with accelerator.accumulate(model):\n"
+        "            accelerator.backward(model(**batch).loss)\n"
+        "        if accelerator.is_main_process:\n"
+        "            accelerator.save_state(out)\n")
+    (tmp_path / "zero3.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 8\n")
+    cache = str(tmp_path / "cache")
+
+    def codes():
+        return sorted(f.code for f in lint([str(tmp_path)], cache_dir=cache, jobs=1).findings)
+
+    assert codes() == ["SC301"]
+    assert codes() == ["SC301"]                 # from the cache
+    (tmp_path / "multi_gpu.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
+    assert codes() == []                        # not every launch is DeepSpeed's: save_state meets no one

@@ -22,7 +22,9 @@ def ships_only_deepspeed(path: str) -> bool:
     kinds: set = set()
     folder = os.path.dirname(os.path.abspath(path))
     for _ in range(_LEVELS + 1):
-        kinds |= _kinds_in(folder)
+        found, read = _kinds_in(folder)
+        kinds |= found
+        _CONSULTED.update(read)
         parent = os.path.dirname(folder)
         if parent == folder:
             break
@@ -30,16 +32,32 @@ def ships_only_deepspeed(path: str) -> bool:
     return bool(kinds) and kinds == {"DEEPSPEED"}
 
 
+# the folders listed and the files read since reset(): a results cache's entry depends on them
+_CONSULTED: set = set()
+
+
+def reset() -> None:
+    """Forget what was read (a new lint: the files may have changed since)."""
+    _CONSULTED.clear()
+    _kinds_in.cache_clear()
+
+
+def consulted() -> list:
+    return sorted(_CONSULTED)
+
+
 @lru_cache(maxsize=256)
-def _kinds_in(folder: str) -> frozenset:
-    """The ``distributed_type`` values of the YAML files of ``folder`` and of its sub-folders whose name
-    says they hold configurations."""
+def _kinds_in(folder: str) -> tuple:
+    """(the ``distributed_type`` values of the YAML files of ``folder`` and of its sub-folders whose name
+    says they hold configurations, the folders and files read)."""
     out = set()
+    read_paths = []
     for where in [folder] + _config_folders(folder):
         try:
             names = sorted(os.listdir(where))[:_MAX_FILES * 4]
         except OSError:
             continue
+        read_paths.append(where)
         read = 0
         for name in names:
             if not name.endswith((".yaml", ".yml")) or read >= _MAX_FILES:
@@ -50,8 +68,11 @@ def _kinds_in(folder: str) -> frozenset:
                     text = f.read(_MAX_BYTES).decode("utf-8", "replace")
             except OSError:
                 continue
-            out.update(m.upper() for m in _DISTRIBUTED_TYPE.findall(text))
-    return frozenset(out)
+            found = _DISTRIBUTED_TYPE.findall(text)
+            if found:
+                read_paths.append(os.path.join(where, name))
+            out.update(m.upper() for m in found)
+    return frozenset(out), tuple(read_paths)
 
 
 def _config_folders(folder: str) -> list:
