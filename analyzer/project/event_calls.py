@@ -323,6 +323,15 @@ def _factory_by_alts(flow, node, callee: EnvVal, recv, args, kws, st, fr) -> Env
     return EnvVal(tuple(alts) or ((TRUE, ONE_UNKNOWN),), _prov(*args, *kws.values()), None, None)
 
 
+def _partial_of_a_loss_method(flow, key) -> bool:
+    """Was the partial made of a method, of an object we cannot see into, whose name says it computes
+    a loss (``partial(self.diffusion.training_losses, ...)``)?"""
+    made = flow.partial_calls.get(key)
+    target = made.args[0] if made is not None and made.args else None
+    return isinstance(target, ast.Attribute) and bool(_LOSS_METHOD.search(target.attr)) and \
+        all(isinstance(t, Unknown) for t in flow.partials[key][0])
+
+
 def _partial_of_factory(flow, v) -> bool:
     """A ``functools.partial`` of a sync control's factory (``partial(accelerator.no_sync, model)``)?"""
     return any(isinstance(t, FlowFactory) for t in flow.partials[v.key][0])
@@ -350,6 +359,15 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
                 # model the partial was given when the factory itself names none
                 models = target.models or (flow.program.wrappers(p_args[0].values) if p_args else frozenset())
                 out = _val(frozenset((FlowCtx(target.effect, models, target.site, target.how + "()"),)))
+        if out is None and _partial_of_a_loss_method(flow, v.key):
+            # ``partial(self.diffusion.training_losses, self.ddp_model, micro, t)`` called: as the
+            # method called with the model (improved-diffusion's compute_losses)
+            every = list(p_args) + list(args) + list(p_kws.values()) + list(kws.values())
+            models = frozenset()
+            for a in every:
+                models |= flow.program.wrappers(a.values)
+            if models and not _prov(*every):
+                return forward(flow, node, models, list(p_args) + list(args), {**p_kws, **kws}, st, fr)
         return out
     fn, receiver = None, None
     if isinstance(v, Func):

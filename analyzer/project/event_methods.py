@@ -47,6 +47,7 @@ def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
         return _val(frozenset((FlowCtx("exitstack", frozenset(), site),)))
     if qual in ("functools.partial", "partial") and args:
         key = id(node)
+        flow.partial_calls[key] = node
         target = node.args[0] if node.args else None
         if isinstance(target, ast.Attribute) and target.attr == "set_requires_gradient_sync":
             # ``partial(model.set_requires_gradient_sync, recurse=True)``: FSDP2's switch, set when called

@@ -91,11 +91,12 @@ class Flow(Branches, Loops):
         self.call_stack: list = []       # (module, call) of the project calls being analysed in place
         self.loop_owner: dict = {}       # loop id -> (module, depth of call_stack) where it runs
         self.helpers: dict = {}          # (call id, function) -> a @contextmanager helper call, entered by a with
+        self.partial_calls: dict = {}    # partial id -> the functools.partial(...) call that made it
         self.partials: dict = {}         # call id -> functools.partial(f, ...)
         self.exitstacks: dict = {}       # ExitStack creation site -> the with statement that owns it
 
     def close(self) -> None:
-        for store in (self.memo, self.helpers, self.partials, self.exitstacks, self.loop_infos):
+        for store in (self.memo, self.helpers, self.partials, self.partial_calls, self.exitstacks, self.loop_infos):
             store.clear()
         self.records = self.conds = self.program = self.values = self.project = None
         self.__dict__.pop("_populations", None)
