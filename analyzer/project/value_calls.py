@@ -255,7 +255,13 @@ class CallValues:
                 self._static_graph_set_later(call, scope)
             return frozenset((Wrapper(kind, site, static),))
         if qual in vocab.ACCELERATOR:
-            return frozenset((Framework("accelerate", site, _accumulates(call)),))
+            accumulates = _accumulates(call)
+            if accumulates == "no" and _runs_deepspeed_only(scope):
+                # a function that reads the DeepSpeed plugin unconditionally (it is None otherwise), or a
+                # project whose launch configurations are all DeepSpeed's: the DeepSpeed config says how
+                # many micro-steps (vk_embedder's ``...deepspeed_config['gradient_accumulation_steps'] = 1``)
+                accumulates = "unknown"
+            return frozenset((Framework("accelerate", site, accumulates),))
         if qual in vocab.FABRIC:
             return frozenset((Framework("fabric", site, "no", _single_device(call), _sharded(call)),))
         if last in vocab.SCALER_TAILS:
@@ -485,3 +491,12 @@ def _unwrapper_parameter(node) -> Optional[str]:
                 module_or_itself(inside.value, plain.value, test.test):
             return plain.value.id
     return None
+
+
+def _runs_deepspeed_only(scope) -> bool:
+    from synccheck.analyzer.project.launch_configs import ships_only_deepspeed
+    from synccheck.analyzer.project.value_frameworks import _reads_the_plugin
+    if isinstance(scope, Function) and any(_reads_the_plugin(stmt) for stmt in scope.node.body):
+        return True
+    module = scope.module if isinstance(scope, Function) else scope
+    return bool(getattr(module, "path", None)) and ships_only_deepspeed(module.path)
