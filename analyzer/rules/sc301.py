@@ -30,8 +30,11 @@ COLLECTIVE_TEXT = (r"\b(?:dist|distributed|c10d|accelerator|fabric|strategy)\.(b
 # ``metric_logger.synchronize_between_processes()``, ``top1.all_reduce()``)
 # (``distributed_utils.all_reduce_dict(data)``, ``utils.all_gather_list(x)``: a project helper's name
 # that says it communicates; the analysis then reads what it runs)
-COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\.(?:synchronize_between_processes|all_reduce\w*|all_gather\w*)\(")
-_METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce", ".all_gather")
+# (and accelerate's own names whatever the Accelerator is called: ``accelerate.wait_for_everyone()``)
+COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\.(?:synchronize_between_processes|all_reduce\w*|all_gather\w*|"
+                                               r"wait_for_everyone|gather_for_metrics)\(")
+_METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce", ".all_gather", ".wait_for_everyone(",
+                       ".gather_for_metrics(")
 
 
 # what may follow one of CALL_PREFIXES in a collective call: COLLECTIVE_TEXT without its prefix
