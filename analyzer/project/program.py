@@ -322,13 +322,16 @@ def _scaled_walk(info, items: dict) -> tuple:
     an entry stored into a container): the returns, the names' assignments, and the entries ``items``
     stored into a container the returned loss sums (``sum(l for l in d.values())``, not a metrics
     dict beside the loss)."""
+    from synccheck.analyzer.project.event_methods import scales_by_count
     found, through_items = False, False
     todo, seen = [(e, False, False) for e in info.returns], set()
     while todo:
         expr, via_items, summed = todo.pop()
         entries = _containers_summed(expr)
         for node in walk(expr):
-            if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+            if isinstance(node, ast.BinOp) and (isinstance(node.op, (ast.Div, ast.FloorDiv)) or isinstance(
+                    node.op, ast.Mult) and (scales_by_count(node.left) or scales_by_count(node.right))):
+                # (a product by a weight, ``beta * kld``, ``-0.5 * torch.mean(...)``, is not 1/N)
                 found = True
                 through_items = through_items or via_items
             elif isinstance(node, (ast.Name, ast.Attribute)):
