@@ -7,6 +7,7 @@ reads them from mirrored repositories (bare git dirs, e.g. made by a `git clone 
 extracts each repository's Python files at the labelled commit.
 
     python benchmarks/bench_realworld.py --mirror DIR [--mode repo|file] [--json PATH] [--only REPO]
+    python benchmarks/bench_realworld.py --mirror DIR --list-repos   # the order to mirror them in
 
 DIR holds one bare git dir per repository: `DIR/owner+name/repo` (or `DIR/owner+name` itself, or
 `DIR/owner/name.git`). `--mode repo` (default) lints the whole repository and keeps the findings in
@@ -14,6 +15,11 @@ the labelled file, as `synccheck lint .` in a checkout would; `--mode file` lint
 a pre-commit hook that passes only that file would (the files beside it that import it are read as
 context). It prints per-file misses and false alarms, then recall and precision over (file, code)
 pairs.
+
+Where only some repositories can be mirrored (a session's fetch budget is 500), `--list-repos` prints
+them in the order to mirror them: those with expected findings first. An entry whose repository is
+not mirrored is skipped and said; once a commit is extracted under `--work`, its mirror is no longer
+read and may be deleted.
 """
 from __future__ import annotations
 
@@ -119,6 +125,16 @@ def load_manifest(path: Path) -> list:
     return list(merged.values())
 
 
+def repos_by_priority(entries: list) -> list:
+    """Repositories with expected findings first (most first), then the others (most entries first)."""
+    found: dict = {}
+    count: dict = {}
+    for e in entries:
+        found[e["repo"]] = found.get(e["repo"], 0) + len(e["expected"])
+        count[e["repo"]] = count.get(e["repo"], 0) + 1
+    return sorted(found, key=lambda r: (not found[r], -found[r], -count[r], r))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mirror", required=True, type=Path, help="folder of bare git mirrors (owner+name/repo)")
@@ -128,7 +144,17 @@ def main(argv=None) -> int:
                         help="where repositories are extracted (reused between runs)")
     parser.add_argument("--only", default=None, help="only entries whose repo contains this text")
     parser.add_argument("--json", type=Path, default=None, help="write per-entry results here")
+    parser.add_argument("--list-repos", action="store_true",
+                        help="print the manifest's repositories, those with the most expected findings first "
+                             "(the order to mirror them in when only some can be), and exit")
     args = parser.parse_args(argv)
+    if args.list_repos:
+        try:
+            sys.stdout.write("".join(repo + "\n" for repo in repos_by_priority(load_manifest(args.manifest))))
+            sys.stdout.flush()
+        except BrokenPipeError:     # (``| head``)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
     entries = [e for e in load_manifest(args.manifest) if not args.only or args.only in e["repo"]]
     repo_cache: dict = {}
