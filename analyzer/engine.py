@@ -440,7 +440,6 @@ def _analyse_files(members: list, codes: tuple, edits: bool = True, lint_roots: 
         findings.extend(_mapped(suppressed(text, mine, tree), notebook))
     deps = [m.path for m in lazily_parsed if not m.linted]
     # (and the accelerate launch configurations read: a folder's listing, a YAML file)
-    from synccheck.analyzer.project import launch_configs
     deps += launch_configs.consulted()
     return findings, errors, parsed, deps
 

@@ -52,8 +52,8 @@ class Branches:
             true, false = (TRUE, 0) if never_none else (0, TRUE)
         if true and false and fr.loops and fr.loops[-1].info.bound is not None and _out_of_data(s):
             # ``if not batch: break`` in ``for micro in range(accum):`` after filling a micro-batch from
-            # an iterator: the data ran out in the middle of a window, the end of the run rather than a schedule (a window cut short
-            # there is not what the step's boundary is written for)
+            # an iterator: the data ran out in the middle of a window, the end of the run rather than a
+            # schedule (a window cut short there is not what the step's boundary is written for)
             true, false = 0, TRUE
         if not s.orelse and true and false and distributed_switch(s.test) and _SYNC_TEXT.search(
                 fr.module.segment(s) or ""):

@@ -24,7 +24,7 @@ def _runs_deepspeed(module) -> bool:
         return True
     # (or the project's accelerate launch configurations are all DeepSpeed's)
     from synccheck.analyzer.project.launch_configs import ships_only_deepspeed
-    return "accelerat" in module.text and ships_only_deepspeed(module.path)
+    return "accelerat" in module.text and ships_only_deepspeed(getattr(module, "path", None))
 
 
 # a method name that says the method talks to the other ranks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
+from typing import Optional
 
 _DISTRIBUTED_TYPE = re.compile(r"^[ \t]*distributed_type[ \t]*:[ \t]*['\"]?(\w+)", re.M)
 _LEVELS = 3                 # the script's folder and this many above it
@@ -14,10 +15,10 @@ _MAX_FILES = 64             # YAML files read per folder, at most
 _MAX_BYTES = 64_000
 
 
-def ships_only_deepspeed(path: str) -> bool:
+def ships_only_deepspeed(path: Optional[str]) -> bool:
     """Do the accelerate configurations found beside ``path`` (its folder, the folders above it, and
     their sub-folders named for configs) all launch DeepSpeed, at least one of them?"""
-    if not os.path.isfile(path):
+    if not path or not os.path.isfile(path):
         return False        # (a text checked on its own: no folder around it)
     kinds: set = set()
     folder = os.path.dirname(os.path.abspath(path))

@@ -52,8 +52,10 @@ class RankTests:
         if isinstance(test, ast.BoolOp):
             # (a test of how the job was launched, ``distributed_type == DistributedType.DEEPSPEED``,
             # says nothing of the ranks nor of whether the job is distributed)
-            parts = [(None, None) if _LAUNCH_TEST.search(ast.unparse(v)) and not RANK_NAME.search(ast.unparse(v))
-                     else self._sides(v, scope, depth + 1) for v in test.values]
+            texts = [ast.unparse(v) for v in test.values]
+            launch = [bool(_LAUNCH_TEST.search(t)) and not RANK_NAME.search(t) for t in texts]
+            parts = [(None, None) if launched else self._sides(v, scope, depth + 1)
+                     for v, launched in zip(test.values, launch)]
             trues, falses = [p[0] for p in parts], [p[1] for p in parts]
             if isinstance(test.op, ast.Or):
                 # ``not a or not b`` is ``not (a and b)``
@@ -67,7 +69,7 @@ class RankTests:
             if isinstance(test.op, ast.Or):
                 on_true, on_false = on_false, on_true
             if isinstance(test.op, ast.Or) and (on_true, on_false) == (None, "other") and any(
-                    _LAUNCH_TEST.search(ast.unparse(v)) for v in test.values):
+                    _LAUNCH_TEST.search(t) for t in texts):
                 # ``if accelerator.distributed_type == DistributedType.DEEPSPEED or is_main_process:``
                 # (diffusers' checkpoint guard): every rank enters under DeepSpeed, only the main rank
                 # otherwise -- a launch setting, the same on every rank. What the block runs for every

@@ -155,7 +155,6 @@ def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:
     if isinstance(target, ast.Name):
         if scope is None or not hasattr(scope, "node"):
             return None
-        here = {id(n) for n in walk(scope.node)}
     elif not isinstance(target, ast.Attribute):
         return None
     text = ast.unparse(target)
@@ -167,7 +166,8 @@ def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:
         made = _call_at(module, site[1], site[2]) if module is not None else None
         if made is None or not made.args:
             continue
-        if isinstance(target, ast.Name) and id(made) not in here:
+        if isinstance(target, ast.Name) and not (module is scope.module and
+                                                 scope.node.lineno <= made.lineno <= scope.node.end_lineno):
             continue
         for arg in list(made.args) + [k.value for k in made.keywords]:
             if any(isinstance(n, ast.Attribute) and (ast.unparse(n) == text or ast.unparse(n.value) == text)

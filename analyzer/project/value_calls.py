@@ -19,6 +19,7 @@ from synccheck.analyzer.project.options import keyword_argument, known_bool
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _argument, _first_arg, _kw, _parameter_sources, _sharded,
                                                       _single_device, _strings, _text, _truthy, module_or_itself)
+from synccheck.analyzer.project.value_frameworks import launched_with_deepspeed, reads_the_plugin
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper, _cap,
@@ -256,7 +257,7 @@ class CallValues:
             return frozenset((Wrapper(kind, site, static),))
         if qual in vocab.ACCELERATOR:
             accumulates = _accumulates(call)
-            if accumulates == "no" and _runs_deepspeed_only(scope):
+            if accumulates == "no" and (reads_the_plugin(scope) or launched_with_deepspeed(scope)):
                 # a function that reads the DeepSpeed plugin unconditionally (it is None otherwise), or a
                 # project whose launch configurations are all DeepSpeed's: the DeepSpeed config says how
                 # many micro-steps (vk_embedder's ``...deepspeed_config['gradient_accumulation_steps'] = 1``)
@@ -492,11 +493,3 @@ def _unwrapper_parameter(node) -> Optional[str]:
             return plain.value.id
     return None
 
-
-def _runs_deepspeed_only(scope) -> bool:
-    from synccheck.analyzer.project.launch_configs import ships_only_deepspeed
-    from synccheck.analyzer.project.value_frameworks import _reads_the_plugin
-    if isinstance(scope, Function) and any(_reads_the_plugin(stmt) for stmt in scope.node.body):
-        return True
-    module = scope.module if isinstance(scope, Function) else scope
-    return bool(getattr(module, "path", None)) and ships_only_deepspeed(module.path)

@@ -28,7 +28,7 @@ class FrameworkValues:
         # boundary and reduces the gradients there (gpt4all's train.py)
         kind = "deepspeed" if any(self._dummy_optimizer(arg, call, scope) for arg in call.args) or \
             _deepspeed_only(scope) or self._plugged_deepspeed(call.func, scope) or \
-            _launched_with_deepspeed(module) else "accelerate"
+            launched_with_deepspeed(scope) else "accelerate"
         for i, arg in enumerate(self._spread_args(call, scope)):
             values = self.expr(arg, scope)
             source = _comprehension_source(arg, scope)
@@ -126,10 +126,16 @@ def _reads_the_plugin(stmt) -> bool:
     return False
 
 
-def _launched_with_deepspeed(module) -> bool:
+def reads_the_plugin(scope) -> bool:
+    """Does a statement of the function's own body read the DeepSpeed plugin (_reads_the_plugin)?"""
+    return isinstance(scope, Function) and any(_reads_the_plugin(stmt) for stmt in scope.node.body)
+
+
+def launched_with_deepspeed(scope) -> bool:
     """Are the accelerate launch configurations the project ships all DeepSpeed's (launch_configs.py)?"""
     from synccheck.analyzer.project.launch_configs import ships_only_deepspeed
-    return bool(getattr(module, "path", None)) and ships_only_deepspeed(module.path)
+    module = scope.module if isinstance(scope, Function) else scope
+    return ships_only_deepspeed(getattr(module, "path", None))
 
 
 def _deepspeed_only(scope) -> bool:
@@ -139,7 +145,7 @@ def _deepspeed_only(scope) -> bool:
     only (gpt4all's train.py), whose engine reduces gradients at its own boundary."""
     if not isinstance(scope, Function) or "deepspeed_plugin" not in scope.module.segment(scope.node):
         return False
-    if any(_reads_the_plugin(stmt) for stmt in scope.node.body):
+    if reads_the_plugin(scope):
         return True
     only, elsewhere, inside = set(), set(scope.params), set()
     for node in walk_no_defs(scope.node):
