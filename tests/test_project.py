@@ -1327,7 +1327,7 @@ SYS_PATH_HELPER = {
 
 
         def main(data, model, optimizer, epochs):
-            loader = make_dataloader(data, 32, distributed=True)
+            loader = make_dataloader(data, 32, distributed=True)  # SC302
             for epoch in range(epochs):
                 for x, y in loader:
                     optimizer.zero_grad()
@@ -1542,3 +1542,35 @@ def test_launch_configs_are_a_dependency_of_the_cached_result(tmp_path):
     assert codes() == ["SC301"]                 # from the cache
     (tmp_path / "multi_gpu.yaml").write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
     assert codes() == []                        # not every launch is DeepSpeed's: save_state meets no one
+
+
+def test_launch_configs_are_read_within_the_repository_only(tmp_path):
+    """The search for accelerate configurations climbs from the script's folder, but not past the
+    repository's root (a ``.git``), and not into a sibling folder that only has "config" in its name."""
+    from synccheck.analyzer.engine import lint
+
+    repo = tmp_path / "work" / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / "train.py").write_text(
+        "from accelerate import Accelerator\n\n\n"
+        "def main(model, loader, out):\n"
+        "    accelerator = Accelerator(gradient_accumulation_steps=4)\n"
+        "    model, loader = accelerator.prepare(model, loader)\n"
+        "    for step, batch in enumerate(loader):\n"
+        "        with accelerator.accumulate(model):\n"
+        "            accelerator.backward(model(**batch).loss)\n"
+        "        if accelerator.is_main_process:\n"
+        "            accelerator.save_state(out)\n")
+    (repo / "configs").mkdir()
+    (repo / "configs" / "zero3.yaml").write_text("distributed_type: DEEPSPEED\n")
+    # outside the repository: another project's multi-GPU launch, and a test folder named for configs
+    (tmp_path / "work" / "multi_gpu.yaml").write_text("distributed_type: MULTI_GPU\n")
+    (tmp_path / "test_launch_configs_of_another0").mkdir()
+    (tmp_path / "test_launch_configs_of_another0" / "multi.yaml").write_text("distributed_type: MULTI_GPU\n")
+
+    def codes():
+        return sorted(f.code for f in lint([str(repo)], jobs=1).findings)
+
+    assert codes() == ["SC301"]
+    (repo / ".git").rmdir()          # no repository root: the folder above is the project's too
+    assert codes() == []

@@ -13,6 +13,8 @@ _DISTRIBUTED_TYPE = re.compile(r"^[ \t]*distributed_type[ \t]*:[ \t]*['\"]?(\w+)
 _LEVELS = 3                 # the script's folder and this many above it
 _MAX_FILES = 64             # YAML files read per folder, at most
 _MAX_BYTES = 64_000
+_CONFIG_FOLDER = re.compile(r"(?i)([a-z0-9]+[_-])?(configs?|configurations?|cfgs?)([_-][a-z0-9]+)?$")
+_CROWDED = 256              # entries: a folder this full holds many projects, not one
 
 
 def ships_only_deepspeed(path: Optional[str]) -> bool:
@@ -23,11 +25,11 @@ def ships_only_deepspeed(path: Optional[str]) -> bool:
     kinds: set = set()
     folder = os.path.dirname(os.path.abspath(path))
     for _ in range(_LEVELS + 1):
-        found, read = _kinds_in(folder)
+        found, read, top = _kinds_in(folder)
         kinds |= found
         _CONSULTED.update(read)
         parent = os.path.dirname(folder)
-        if parent == folder:
+        if top or parent == folder:
             break
         folder = parent
     return bool(kinds) and kinds == {"DEEPSPEED"}
@@ -50,9 +52,17 @@ def consulted() -> list:
 @lru_cache(maxsize=256)
 def _kinds_in(folder: str) -> tuple:
     """(the ``distributed_type`` values of the YAML files of ``folder`` and of its sub-folders whose name
-    says they hold configurations, the folders and files read)."""
+    says they hold configurations, the folders and files read, whether the search stops here). It stops
+    at a repository's root (a ``.git``); a folder of hundreds of entries is a workspace, not a project
+    (pytest's temporary folders, a folder of checkouts): neither it nor anything above it is read."""
     out = set()
     read_paths = []
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        entries = []
+    if len(entries) > _CROWDED:
+        return frozenset(), (), True
     for where in [folder] + _config_folders(folder):
         try:
             names = sorted(os.listdir(where))[:_MAX_FILES * 4]
@@ -73,12 +83,14 @@ def _kinds_in(folder: str) -> tuple:
             if found:
                 read_paths.append(os.path.join(where, name))
             out.update(m.upper() for m in found)
-    return frozenset(out), tuple(read_paths)
+    return frozenset(out), tuple(read_paths), ".git" in entries
 
 
 def _config_folders(folder: str) -> list:
+    """Its sub-folders named for configurations: ``configs``, ``accelerate_configs``, ``config-ds``;
+    not every name that holds the word (``test_launch_configs_are_a_dependency0``)."""
     try:
         return [os.path.join(folder, d) for d in sorted(os.listdir(folder))
-                if "config" in d.lower() and os.path.isdir(os.path.join(folder, d))]
+                if _CONFIG_FOLDER.match(d) and os.path.isdir(os.path.join(folder, d))]
     except OSError:
         return []
