@@ -98,6 +98,19 @@ def lint_main(argv: List[str]) -> int:
     fixing = _fix(args, config, rules, result, silent)
     if fixing is not None:
         return fixing
+    if result.fixed:
+        # a fix in one file can settle a finding in another (the epoch loop's set_epoch reseeds the
+        # sampler a builder file makes): what is left is read again from the files as written
+        again = lint(args.paths, rules, jobs=args.jobs, cache_dir=cache_dir, is_excluded=config.is_excluded,
+                     ignored_codes=config.ignored_codes, edits=args.format == "json")
+        known = {(e.path, e.message) for e in again.errors}
+        again.errors += [e for e in result.errors if (e.path, e.message) not in known]
+        # (a fix tried and refused keeps saying why)
+        refused = {(f.path, f.code, f.message): f for f in result.findings
+                   if isinstance(f.autofix, dict) and f.autofix.get("reason", "").startswith("fix not applied")}
+        again.findings = [refused.get((f.path, f.code, f.message), f) for f in again.findings]
+        again.fixed, again.fix_options = result.fixed, result.fix_options
+        result = again
     if result.files == 0 and not result.errors and not quiet:
         # as ruff: not an error (an empty folder in a pre-commit run), but not silent either
         print("synccheck lint: warning: no Python files found under " + ", ".join(args.paths), file=sys.stderr)

@@ -63,9 +63,30 @@ def test_a_shared_builder_reseeded_by_one_script_only(tmp_path):
     assert found(root) == {("finetune.py", _line(UNSEEDED, "train_loader = build_loader"), "SC302")}
 
 
-def test_a_builder_called_by_one_script_is_still_reported_at_the_sampler(tmp_path):
+def test_a_builder_called_by_one_script_is_reported_at_the_sampler_and_where_the_script_takes_it(tmp_path):
+    # the folder linted: the builder's sampler, and the epoch loop where the fix (set_epoch) belongs
+    # (ViT-pytorch's utils/data_utils.py and train.py)
     root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": UNSEEDED})
-    assert found(root) == {("data/builder.py", _line(BUILDER, "DistributedSampler(dataset"), "SC302")}
+    assert found(root) == {("data/builder.py", _line(BUILDER, "DistributedSampler(dataset"), "SC302"),
+                           ("train.py", _line(UNSEEDED, "train_loader = build_loader"), "SC302")}
+
+
+def test_the_fix_in_the_script_settles_the_builders_finding_too(tmp_path):
+    # --fix on the folder reseeds the loader in train.py; what is left is read again from the files
+    # as written, so the builder's finding (its sampler now reseeded) is gone too
+    import contextlib
+    import io
+
+    from synccheck.analyzer.cli import lint_main
+
+    root = write_project(tmp_path, {"data/__init__.py": "", "data/builder.py": BUILDER, "train.py": UNSEEDED})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = lint_main(["--isolated", "--no-cache", "--fix", "--unsafe-fixes", str(root)])
+    assert "set_epoch(epoch)" in (root / "train.py").read_text()
+    assert rc == 0, out.getvalue()
+    assert "Fixed 1 problem." in out.getvalue() and "All checks passed!" in out.getvalue()
+    assert found(root) == set()
 
 
 FIT = """

@@ -116,6 +116,11 @@ def samplers_without_set_epoch(program) -> list:
             continue
         if module.linted and sampler not in seeded:
             sites = [(module, call, _assigned_name(module, call), scope)]
+            if isinstance(scope, Function) and scope.cls is None:
+                # a builder function (``get_loader(args)`` in utils/data_utils.py): the fix belongs in the
+                # epoch loop of the script that takes its loader, so that script is told too
+                sites += [site for site in _takers(program, sampler)
+                          if site[0] is not module and _loops_over_epochs(site[0])]
         elif module.linted and not _builder_shared(module, call, scope):
             continue
         else:
