@@ -1574,3 +1574,32 @@ def test_launch_configs_are_read_within_the_repository_only(tmp_path):
     assert codes() == ["SC301"]
     (repo / ".git").rmdir()          # no repository root: the folder above is the project's too
     assert codes() == []
+
+
+def test_a_rewritten_test_keeps_its_position(tmp_path):
+    """``self.step != 0`` is read as ``not (self.step == 0)``: the rewritten comparison keeps the
+    original's line, which the first-turn reading of ``self.step`` compares with its ``+= 1``
+    (index-tts's facodec trainer: an internal error left 16 files unchecked)."""
+    check_project(tmp_path, {"train.py": """
+        from accelerate import Accelerator
+
+
+        class Trainer:
+            def __init__(self, model, optimizer, loader):
+                self.accelerator = Accelerator()
+                self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+                self.step: int = 0
+
+            def train_loop(self, epochs):
+                for epoch in range(epochs):
+                    self._train_epoch()
+
+            def _train_epoch(self):
+                for batch in self.loader:
+                    loss = self.model(batch).mean()
+                    self.accelerator.backward(loss)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                    self.accelerator.log({"lr": (self.optimizer.lr if self.step != 0 else 0)}, step=self.step)
+                    self.step += 1
+    """})

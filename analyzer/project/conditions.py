@@ -134,13 +134,13 @@ class Conditions(FirstTurn, TypeTests):
         written = node
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
             # ``if step % accum:`` is ``step % accum != 0``, one atom with the step's ``% accum == 0``
-            node = ast.Compare(node, [ast.Eq()], [ast.Constant(0)])
+            node = ast.copy_location(ast.Compare(node, [ast.Eq()], [ast.Constant(0)]), node)
             polarity = False
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotEq):
-            node = ast.Compare(node.left, [ast.Eq()], node.comparators)
+            node = ast.copy_location(ast.Compare(node.left, [ast.Eq()], node.comparators), node)
             polarity = False
         if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotIn):
-            node = ast.Compare(node.left, [ast.In()], node.comparators)
+            node = ast.copy_location(ast.Compare(node.left, [ast.In()], node.comparators), node)
             polarity = False
         last = self._last(node, st, fr)
         if isinstance(last, bool):
@@ -286,8 +286,8 @@ class Conditions(FirstTurn, TypeTests):
             return None
         assigns = self.flow.values.info(fr.scope).assigns
         swapped = [False]
-        out = ast.Compare(_swap(node.left, assigns, bound, swapped), node.ops,
-                          [_swap(c, assigns, bound, swapped) for c in node.comparators])
+        out = ast.copy_location(ast.Compare(_swap(node.left, assigns, bound, swapped), node.ops,
+                                            [_swap(c, assigns, bound, swapped) for c in node.comparators]), node)
         return out if swapped[0] else None
 
     def _record_field(self, attribute: ast.Attribute, fr) -> bool:

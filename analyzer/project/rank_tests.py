@@ -54,7 +54,8 @@ class RankTests:
             # says nothing of the ranks nor of whether the job is distributed)
             texts = [ast.unparse(v) for v in test.values]
             launch = [bool(_LAUNCH_TEST.search(t)) and not RANK_NAME.search(t) for t in texts]
-            parts = [(None, None) if launched else self._sides(v, scope, depth + 1)
+            parts = [(None, None) if launched else
+                     ("single", None) if _absent_object(v, texts) else self._sides(v, scope, depth + 1)
                      for v, launched in zip(test.values, launch)]
             trues, falses = [p[0] for p in parts], [p[1] for p in parts]
             if isinstance(test.op, ast.Or):
@@ -283,6 +284,17 @@ def _rank_source(node) -> bool:
         return bool(RANK_NAME.search(node.attr)) and "rank" in node.attr.lower()
     return isinstance(key, ast.Constant) and key.value in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID",
                                                             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _absent_object(part, texts: list) -> bool:
+    """``accelerator is None`` beside ``accelerator.is_main_process`` in one test: no accelerator, no
+    ranks (a run that is not distributed), where the other part reads the ranks off that object."""
+    if not (isinstance(part, ast.Compare) and len(part.ops) == 1 and isinstance(part.ops[0], ast.Is) and
+            _is_none(part.comparators[0]) and isinstance(part.left, (ast.Name, ast.Attribute))):
+        return False
+    owner = ast.unparse(part.left) + "."
+    return any(t.startswith(owner) and RANK_NAME.search(t[len(owner):]) or t.startswith(owner) and _main_name(t)
+               for t in texts)
 
 
 def _is_none(node) -> bool:
