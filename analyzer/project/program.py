@@ -45,6 +45,7 @@ class Program(Words, WrappedModels):
         self.per_call: set = set()       # uids of roots that are the body of a loop out of view
         self.then_call: dict = {}        # root uid -> the sibling method that steps after it
         self._ducks: dict = {}           # method name -> duck_method's answer
+        self.never_skipping = None       # static._never_skipping: accumulate() calls that never skip
 
     def close(self) -> None:
         """Let go of everything (see Project.close): flows point back at this program."""

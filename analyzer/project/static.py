@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from typing import NamedTuple
 
 from synccheck.analyzer.project.definitions import called_name
@@ -22,9 +23,30 @@ class UnconfiguredAccumulate(NamedTuple):
     module: object
     node: object
     accelerator_text: str
+    one: bool = False           # built with ``gradient_accumulation_steps=1`` written out
+
+
+# a count of micro-steps the script keeps itself (``args.gradient_accumulation_steps``, ``grad_accum``)
+_ACCUMULATION_COUNT = re.compile(r"\b\w*(?:grad\w*_?accum|accum\w*_steps|accumulation_steps)\w*\b")
+_ACCELERATOR_BEFORE = re.compile(r"accelerat\w*\.$", re.I)
+_PASSED_ONE = re.compile(r"\bgradient_accumulation_steps\s*=\s*1\b")
 
 
 def accumulate_without_steps(program) -> list:
+    """SC105's fact: the ``accumulate()`` calls on an accelerator never told to accumulate, less those
+    told 1 in a script that counts no micro-steps of its own (one step per batch, as asked)."""
+    return [found for found, counted in _never_skipping(program) if counted]
+
+
+def never_skipping_accumulates(program) -> set:
+    """(path, line) of every ``accumulate()`` whose accelerator syncs and steps on every micro-batch:
+    no context entered after the forward can cost a sync there (SC102 is moot)."""
+    return {(found.module.path, found.node.lineno) for found, _ in _never_skipping(program)}
+
+
+def _never_skipping(program) -> list:
+    if program.never_skipping is not None:
+        return program.never_skipping
     values = program.values
     out = []
     configured = _configured_frameworks(program)
@@ -42,8 +64,36 @@ def accumulate_without_steps(program) -> list:
             continue
         if any(not isinstance(v, Framework) for v in receiver):
             continue
-        out.append(UnconfiguredAccumulate(module, call, _text(module, call.func.value)))
+        unset = [v for v in frameworks if v.accumulates == "no"]
+        one = bool(unset) and all(_written_one(program, v) for v in unset)
+        # (``Accelerator(gradient_accumulation_steps=1)`` and nothing else in the script counts
+        # micro-steps: one step per batch is what it asks for, the context is boilerplate)
+        out.append((UnconfiguredAccumulate(module, call, _text(module, call.func.value), one),
+                    not one or _counts_micro_steps(module)))
+    program.never_skipping = out
     return out
+
+
+def _written_one(program, framework) -> bool:
+    """Was this Accelerator built with ``gradient_accumulation_steps=1`` written out?"""
+    path, line, col = framework.site[:3]
+    module = program.project.module_at(path)
+    if module is None:
+        return False
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Call) and node.lineno == line and node.col_offset == col:
+            return any(k.arg == "gradient_accumulation_steps" and isinstance(k.value, ast.Constant) and
+                       k.value.value == 1 for k in node.keywords)
+    return False
+
+
+def _counts_micro_steps(module) -> bool:
+    """Does the script name a count of micro-steps other than the keyword it passes 1 to?"""
+    text = module.text
+    # (``loss / accelerator.gradient_accumulation_steps``: the accelerator's own count, that 1)
+    counts = sum(1 for m in _ACCUMULATION_COUNT.finditer(text)
+                 if not _ACCELERATOR_BEFORE.search(text, max(0, m.start() - 40), m.start()))
+    return counts > len(_PASSED_ONE.findall(text))
 
 
 def _built_where_one(program, framework) -> bool:

@@ -102,9 +102,18 @@ class NoSyncMissesForward(Rule):
         from synccheck.analyzer.fix import plan
         from synccheck.analyzer.project.micro_step_facts import missed_forward
 
+        never_skipping = None
         for flow in ctx.flows:
             for by, site, model, kind in missed_forward(flow):
                 module, node = ctx.node(flow, by)
+                if kind == "control" and model.kind == "accelerate" and ".accumulate(" in ctx.text(module, node):
+                    if never_skipping is None:
+                        from synccheck.analyzer.project.static import never_skipping_accumulates
+                        never_skipping = never_skipping_accumulates(ctx.program)
+                    if (module.path, node.lineno) in never_skipping:
+                        # an accelerator never told to accumulate syncs every micro-step anyway: the
+                        # late context costs nothing (SC105 says what is wrong, where it applies)
+                        continue
                 autofix = (lambda flow=flow, by=by, site=site, model=model, kind=kind:
                            plan.missed(flow, by, site, model, kind))
                 if kind == "flag":

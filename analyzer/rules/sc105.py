@@ -77,7 +77,8 @@ class AccumulateWithoutSteps(Rule):
 
         for found in accumulate_without_steps(ctx.program):
             ctx.report(self, found.module, found.node,
-                       f"`{found.accelerator_text}` was built without gradient_accumulation_steps, so accumulate() "
-                       f"syncs and steps on every micro-batch: no accumulation happens",
+                       f"`{found.accelerator_text}` was built "
+                       f"{'with gradient_accumulation_steps=1 while the script counts micro-steps' if found.one else 'without gradient_accumulation_steps'}"
+                       f", so accumulate() syncs and steps on every micro-batch: no accumulation happens",
                        "pass gradient_accumulation_steps=N to Accelerator(...)",
                        autofix=lambda found=found: plan_more.accumulate_steps(ctx.program, found))
