@@ -172,6 +172,12 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             step(flow, node, frozenset(), st, fr, unknown=True)
             return NONE_VAL
         return None
+    if attr in vocab.SAM_STEPS and not project_method and (_unknown(vals) or any(isinstance(v, Optim) for v in vals)):
+        # SAM's ``optimizer.first_step(zero_grad=True)``: the ascent step reads the all-reduced gradients
+        # of the first backward (and clears them); ``second_step`` is the update
+        step(flow, node, frozenset(v for v in vals if isinstance(v, Optim)), st, fr,
+             unknown=not any(isinstance(v, Optim) for v in vals))
+        return NONE_VAL
     if attr != "step" and not project_method and vocab.STEPPING_METHOD.match(attr) and not args and _unknown(vals):
         # ``model.optim_step()`` (UPT: the model object owns its optimizer) on an object we cannot
         # follow: a step of an optimizer we do not see

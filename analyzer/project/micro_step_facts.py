@@ -135,6 +135,51 @@ def wasted(flow) -> list:
     return out
 
 
+def repeated_in_one_step(flow) -> list:
+    """(backward site, model, the later backward's site) where a DDP model runs a backward, then another
+    backward after a forward of its own, and only then the optimizer steps, with no sync control
+    between: the first all-reduce is wasted (a GAN's discriminator on real images, then on fakes).
+    SC101's straight-line form: no loop makes these micro-steps, one iteration runs them all."""
+    resolutions = flow.records.resolutions
+    stepped = {(t.site, t.model) for (t, kind, _, _), guard in resolutions.items() if kind == "stepped" and guard}
+    in_loops = {site for site, *_ in wasted(flow)}
+    # (a model whose sync is controlled somewhere here: the author saves its all-reduces already, and
+    # the boundary's double all-reduce of a no_sync window over both is the window's, not this rule's)
+    controlled = {t.model for (t, *_), guard in resolutions.items() if guard and t.synced != "on"}
+    out = []
+    for (token, kind, later, across), guard in resolutions.items():
+        model = token.model
+        if kind != "superseded" or across or not guard or model == PLAIN or later == token.site:
+            continue
+        if model.kind != "ddp" or getattr(model, "single", False) or token.site in in_loops or model in controlled:
+            continue
+        if token.synced != "on" or token.shared or token.misses_forward or token.forward_outside:
+            continue
+        if (later, model) not in stepped or not _straight_between(flow, token.site, later):
+            continue
+        out.append((token.site, model, later))
+    return sorted(set(out), key=lambda found: found[0])
+
+
+# a call between the two backwards that may step or use the gradients (SAM's ``first_step``, a
+# clip-and-step helper): the first backward's all-reduce is then needed
+_USES_GRADIENTS = re.compile(r"step\w*\s*\(|\.grad\b|clip\w*\s*\(|unscale|all_reduce|zero_grad|retain_graph", re.I)
+
+
+def _straight_between(flow, first, later) -> bool:
+    """Are both backwards in one function's body, the later one after the first, with nothing between
+    them (the first one's call included) that steps or reads the gradients?"""
+    a, b = flow.records.nodes.get(first), flow.records.nodes.get(later)
+    if a is None or b is None or a[0] is not b[0] or a[1] is None or b[1] is None:
+        return False
+    module, start, end = a[0], a[1], b[1]
+    if not (start.lineno < end.lineno):
+        return False
+    lines = module.text.splitlines()[start.lineno - 1:end.lineno - 1]
+    text = "\n".join(line.split("#", 1)[0] for line in lines)
+    return not _USES_GRADIENTS.search(text) and "def " not in text
+
+
 def _all_synced(pop, groups: dict) -> Optional[list]:
     for group, outcomes in groups.items():
         if outcomes and all(t.synced == "on" for t, _, _ in outcomes):

@@ -142,4 +142,6 @@ def looks_like_optimizer(name: str) -> bool:
 
 # a project's method that steps an optimizer it holds (``accelerator.take_optimizer_step()``,
 # ``model.optim_step()``); not a scheduler's or an EMA's
+# sharpness-aware minimization's two steps (davda54/sam): each reads the gradients of its own backward
+SAM_STEPS = frozenset(("first_step", "second_step"))
 STEPPING_METHOD = re.compile(r"(?!step$)(?!\w*(?:sched|lr_|ema|warmup))\w*optim\w*step|\w*step_optim")

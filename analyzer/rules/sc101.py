@@ -24,7 +24,9 @@ class SyncEveryMicrostep(Rule):
     what = """
         Finds gradient-accumulation loops on a DistributedDataParallel, FSDP, Accelerate or Fabric
         model where the optimizer steps every N micro-batches but nothing turns gradient sync off for
-        the N-1 micro-steps in between.
+        the N-1 micro-steps in between. Also two backward passes of one DDP model, each after a forward of
+        its own, before one optimizer step (a GAN's discriminator on real images, then on fakes): the
+        first all-reduce is wasted.
     """
     why = """
         DDP all-reduces every gradient bucket at the end of every backward pass unless the forward of
@@ -103,6 +105,15 @@ class SyncEveryMicrostep(Rule):
                 loss.backward()  # SC101
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    """, """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        netD = DDP(discriminator)
+        for real in loader:
+            netD.zero_grad()
+            (-netD(real).mean()).backward()  # SC101
+            netD(generator(noise()).detach()).mean().backward()
+            optimizer_d.step()
     """)
     VALID = ("""
         from contextlib import nullcontext
@@ -153,9 +164,21 @@ class SyncEveryMicrostep(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan
-        from synccheck.analyzer.project.micro_step_facts import wasted
+        from synccheck.analyzer.project.micro_step_facts import repeated_in_one_step, wasted
 
         for flow in ctx.flows:
+            for site, model, later in repeated_in_one_step(flow):
+                module, node = ctx.node(flow, site)
+                name = ctx.model_name(model)
+                name = "the model" if name == "the model" else f"`{name}`"
+                line = ctx.node(flow, later)[1]
+                ctx.report(self, module, node,
+                           f"{name} all-reduces its gradients at this backward and again at the next one "
+                           f"(line {getattr(line, 'lineno', '?')}) before the optimizer steps once: the first "
+                           f"all-reduce is wasted",
+                           f"add the losses and call backward once, or run this micro-step's forward and backward "
+                           f"under `{name.strip('`') if name != 'the model' else 'model'}.no_sync()`",
+                           autofix=lambda: {"reason": "whether to add the losses or skip this sync is for you to decide"})
             for site, model, outcomes, group in wasted(flow):
                 module, node = ctx.node(flow, site)
                 name = ctx.model_name(model)
