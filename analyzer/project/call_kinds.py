@@ -150,7 +150,8 @@ def _inner_wrappers(values) -> frozenset:
 _LOSS_METHOD = re.compile(r"loss|^forward|^compute_|^p_losses$|^run_model$")
 # methods of a model that run its forward (not ``parameters``, ``state_dict``, ``eval``, ``to``)
 # (not a hook or an optimizer's: ``model.on_before_optimizer_step(optimizer)``, ``scheduler_step``)
-_FORWARD_METHOD = re.compile(r"^(?!on_|before_|after_)(?:forward\w*|train_step|training_step|compute_loss|"
+# (an autoencoder's ``encode`` / ``decode``: ``vae.module.encode(x).latent_dist``, AUDIT_v2)
+_FORWARD_METHOD = re.compile(r"^(?!on_|before_|after_)(?:forward\w*|train_step|training_step|compute_loss|encode|decode|"
                              r"(?!\w*(?:optimizer|optim|scheduler|lr|ema|zero_grad)_step$)\w*_step)$")
 
 

@@ -156,7 +156,9 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     if wrappers:
         return forward(flow, node, wrappers, args, kws, st, fr)
     inner = _inner_wrappers(callee)
-    if inner and all(isinstance(v, Inner) for v in callee):
+    # (``self.net = load(...)`` then ``self.net = DDP(self.net)`` in ``__init__``: read from another
+    # method, ``self.net.module`` also holds what the first store left, unknown)
+    if inner and all(isinstance(v, (Inner, Unknown, Ext)) for v in callee):
         return inner_forward(flow, node, inner, args, kws, st, fr)
     if recv is not None and func.attr in FABRIC_REDIRECTED:
         # Fabric sends a LightningModule's ``training_step`` (and its siblings) on the module it set up

@@ -1,3 +1,5 @@
+import os
+
 from synccheck.analyzer.rules.base import Rule
 
 FIX = ("let the forward and backward of the micro-step before `optimizer.step()` run with sync on; "
@@ -137,14 +139,21 @@ class UnsyncedStep(Rule):
                 autofix = (lambda flow=flow, pop=outcomes, token=token, step_site=step_site:
                            plan.unsynced(flow, pop, token, step_site))
                 if token.by in flow.records.bypassed:
-                    at_module, at_node = ctx.node(flow, token.by)
+                    by_module, by_node = ctx.node(flow, token.by)
+                    at_module, at_node = _handed_over(by_module, by_node, module, node)
+                    what = (f"this forward calls the module inside the DDP wrapper (`{ctx.control_text(flow, token.by)}`)"
+                            if at_node is by_node else
+                            f"this hands the module inside the DDP wrapper (`{ctx.text(at_module, at_node)}`) to a "
+                            f"function that runs it (`{ctx.control_text(flow, token.by)}`, "
+                            f"{os.path.basename(by_module.path)}:{by_node.lineno})")
                     ctx.report(self, at_module or module, at_node or node,
-                               f"this forward calls the module inside the DDP wrapper "
-                               f"(`{ctx.control_text(flow, token.by)}`), so DDP never prepares its reducer: "
+                               f"{what}, so DDP never prepares its reducer: "
                                f"the backward all-reduces nothing and the optimizer steps on each rank's own "
                                f"gradients; ranks silently diverge",
                                "call the wrapper itself (`model(x)`), not `model.module(x)`, for a forward "
-                               "whose gradients must be all-reduced")
+                               "whose gradients must be all-reduced" if at_node is by_node else
+                               f"hand over the wrapper itself (`{ctx.text(at_module, at_node).removesuffix('.module')}`): "
+                               f"its forward is what makes the backward all-reduce")
                     continue
                 if token.forward_outside:
                     how = ctx.control_text(flow, token.by)
@@ -179,3 +188,33 @@ class UnsyncedStep(Rule):
                            f"accumulation steps, on every micro-step): the optimizer steps on gradients that were "
                            f"never all-reduced and the replicas silently diverge",
                            "name every model in one call: `accelerator.accumulate(unet, text_encoder)`")
+
+
+def _handed_over(at_module, at_node, module, node) -> tuple:
+    """Where the inner module was handed to the function that runs it: ``loss_fn(online_net=self.net.module)``
+    in the trainer whose backward this is, when the bypassing call is ``online_net(x)`` on a parameter
+    of a function elsewhere (a correct loss helper: the bug is the argument). Else the call itself."""
+    import ast
+
+    from synccheck.analyzer.project.definitions import enclosing_function
+
+    if at_node is None or module is None or node is None:
+        return at_module, at_node
+    callee = enclosing_function(at_module, at_node)
+    func = getattr(at_node, "func", None)
+    while isinstance(func, ast.Attribute):
+        func = func.value
+    if callee is None or not isinstance(func, ast.Name) or func.id not in callee.params:
+        return at_module, at_node
+    caller = enclosing_function(module, node)
+    if caller is None or caller is callee:
+        return at_module, at_node
+    index = callee.params.index(func.id) - (1 if callee.is_method else 0)
+    for call in sorted((n for n in caller.nodes() if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)):
+        handed = [k.value for k in call.keywords if k.arg == func.id]
+        if 0 <= index < len(call.args) and not any(isinstance(a, ast.Starred) for a in call.args[:index + 1]):
+            handed.append(call.args[index])
+        for arg in handed:
+            if isinstance(arg, ast.Attribute) and arg.attr == "module":
+                return module, arg
+    return at_module, at_node
