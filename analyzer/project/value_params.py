@@ -216,6 +216,9 @@ class ParameterValues:
             # the caller's, so whether it accumulates is unknown
             if name in vocab.ACCELERATOR:
                 return frozenset((Framework("accelerate", site_of(module, node), "unknown"),)), None
+            # ``fabric: Fabric``: Fabric never accumulates by itself; how many devices is the caller's
+            if name in vocab.FABRIC:
+                return frozenset((Framework("fabric", site_of(module, node), "no"),)), None
         return EMPTY, sym if isinstance(sym, Class) else None
 
     def calls(self, name: str, load: bool = False) -> list:
