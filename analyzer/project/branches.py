@@ -29,9 +29,12 @@ class Branches:
         relevant = self.program.relevant_branch(s, fr) and not self._exit_outside_training(s, fr)
         true, false = self.conds.cond(self._without_switches(s, fr), st, fr, relevant)
         gate = relevant and self.program.decides_step(s, fr)
-        if gate and fr.gate:
+        if gate and fr.gate and not self._schedule_test(true or false):
             # a check inside the branch that steps (``if torch.isfinite(norm): optimizer.step()``) may
             # skip a step now and then; it is not the accumulation schedule: take the stepping branch
+            # (unless the check is the schedule, a count modulo N or a loop's last turn, and the outer
+            # branch a switch: ``if args.use_scaler: loss_scaler(...) else: loss.backward(); if
+            # update_grad: optimizer.step()``)
             if self.program.steps_in(s.body, fr) and not self.program.steps_in(s.orelse, fr):
                 true, false = TRUE, 0
             elif self.program.steps_in(s.orelse, fr) and not self.program.steps_in(s.body, fr):
@@ -85,6 +88,11 @@ class Branches:
                 else:
                     out.env.pop(name, None)
         return out
+
+    def _schedule_test(self, guard: int) -> bool:
+        """Does the guard read a count modulo N or a loop's last turn (the accumulation schedule)?"""
+        return any((atom.mod is not None or atom.loop is not None) and depends_on(guard, atom.index)
+                   for atom in self.atoms.atoms)
 
     def _with_one(self, stmts, st, fr: Frame, one: Optional[str]):
         if one is None:

@@ -116,6 +116,8 @@ class Conditions(FirstTurn, TypeTests):
                 if self._calls_in(sub):
                     self.flow.expr(sub, st, fr)
             folded = self._fold(node, fr)
+            if folded is None:
+                folded = self._none_test(node, st, fr)
             if folded is not None:
                 return (TRUE, FALSE) if folded else (FALSE, TRUE)
         if not relevant:
@@ -301,6 +303,25 @@ class Conditions(FirstTurn, TypeTests):
                                                                   for name, _ in values.record_fields(v.cls))
                                     for v in owners)
 
+    def _none_test(self, node, st, fr) -> Optional[bool]:
+        """``loss_scaler is not None`` where every value the name may hold is None (each caller passes
+        None: that branch never runs), or none is (and none is unknown)."""
+        if not (len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)) and
+                isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None and
+                isinstance(node.left, ast.Name)):
+            return None
+        from synccheck.analyzer.project.values import Const
+        vals = self.flow.expr(node.left, st, fr).values
+        if not vals:
+            return None
+        if all(isinstance(v, Const) and v.value is None for v in vals):
+            is_none = True
+        elif all(type(v).__name__ in _NEVER_NONE for v in vals):
+            is_none = False
+        else:
+            return None
+        return is_none if isinstance(node.ops[0], ast.Is) else not is_none
+
     def _fold(self, node, fr) -> Optional[bool]:
         """``x % 1 == 0`` where the modulus is a constant 1 (accumulation that cannot happen)."""
         mod = mod_form(node)
@@ -382,6 +403,10 @@ def _bound(node, versions) -> Optional[tuple]:
         return None
     return (ast.dump(node.left), versions), type(node.ops[0]), right.value
 
+
+
+# values that are an object, never None (a parameter every caller hands a wrapper, an optimizer, a scaler)
+_NEVER_NONE = frozenset(("Wrapper", "Optim", "Framework", "Scaler", "NativeScaler", "Sampler", "Loader", "Inner"))
 
 
 def _constant(value) -> Optional[bool]:

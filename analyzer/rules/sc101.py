@@ -171,11 +171,11 @@ class SyncEveryMicrostep(Rule):
                 module, node = ctx.node(flow, site)
                 name = ctx.model_name(model)
                 name = "the model" if name == "the model" else f"`{name}`"
-                line = ctx.node(flow, later)[1]
+                later_text = ctx.text(*ctx.node(flow, later)).strip()
+                later_text = f" (`{later_text}`)" if later_text and "\n" not in later_text and len(later_text) < 60 else ""
                 ctx.report(self, module, node,
-                           f"{name} all-reduces its gradients at this backward and again at the next one "
-                           f"(line {getattr(line, 'lineno', '?')}) before the optimizer steps once: the first "
-                           f"all-reduce is wasted",
+                           f"{name} all-reduces its gradients at this backward and again at the next one"
+                           f"{later_text} before the optimizer steps once: the first all-reduce is wasted",
                            f"add the losses and call backward once, or run this micro-step's forward and backward "
                            f"under `{name.strip('`') if name != 'the model' else 'model'}.no_sync()`",
                            autofix=lambda: {"reason": "whether to add the losses or skip this sync is for you to decide"})
