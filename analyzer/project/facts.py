@@ -189,7 +189,7 @@ class Population:
     @property
     def data_parallel(self) -> bool:
         m = self.model
-        return m != PLAIN and m.kind in vocab.DATA_PARALLEL and not m.single
+        return m != PLAIN and m.kind in vocab.DATA_PARALLEL and not m.single and not _sharded_elsewhere(self.flow, m)
 
     @property
     def managed(self) -> bool:
@@ -291,3 +291,39 @@ def populations(flow) -> list:
         by_key.setdefault(key, []).append((token, kind, resolver, across, guard))
     flow._populations = [Population(flow, model, loop, records) for (model, loop), records in by_key.items()]
     return flow._populations
+
+
+def _sharded_elsewhere(flow, model) -> bool:
+    """An FSDP2 model sharded in place (``fully_shard(block)``) by a script this flow's script never
+    reaches: a sibling entry script that builds the same class of model from the same factory
+    (``train_fsdp.py`` beside ``train_ddp_manual.py``). An instance is known by its class, so the
+    sharding of one script's instance is not the other's."""
+    from synccheck.analyzer.project.wrapped_models import _in_place_elsewhere
+
+    return _in_place_elsewhere(flow.program.project, model, getattr(flow.root, "module", flow.root))
+
+
+def _reaches(project, start, goal, depth: int = 4) -> bool:
+    """Does ``start`` import ``goal``, directly or through project modules (``depth`` imports deep)?"""
+    seen = {id(start)}
+    frontier = [start]
+    for _ in range(depth):
+        nxt = []
+        for module in frontier:
+            for mod, attr, level in module.imports.values():
+                for name in (mod, f"{mod}.{attr}" if mod else attr):
+                    found = project.find_module(module, name, level) if name else None
+                    if found is goal:
+                        return True
+                    if found is not None and id(found) not in seen:
+                        seen.add(id(found))
+                        nxt.append(found)
+            for mod, level in module.stars:
+                found = project.find_module(module, mod, level)
+                if found is goal:
+                    return True
+                if found is not None and id(found) not in seen:
+                    seen.add(id(found))
+                    nxt.append(found)
+        frontier = nxt
+    return False

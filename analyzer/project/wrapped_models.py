@@ -189,7 +189,9 @@ class WrappedModels:
                     if owner is not None:
                         # (``model.module.parameters()`` too: the wrapper's parameters)
                         owners = self.values.expr(owner, scope)
-                        out |= self.wrappers(owners) | self.models_of(owners)
+                        # (a model a sibling script shards in place is not the one averaged here)
+                        out |= {w for w in self.wrappers(owners) | self.models_of(owners)
+                                if not _in_place_elsewhere(self.project, w, self.values.module_of(scope))}
             self._managed = frozenset(out)
         return self._managed
 
@@ -241,3 +243,16 @@ def _wrappers_in(v) -> list:
     if isinstance(v, Tup):
         return [w for item in v.items for x in item for w in _wrappers_in(x)]
     return []
+
+
+def _in_place_elsewhere(project, wrapper, module) -> bool:
+    """Is ``wrapper`` an FSDP2 sharding done in place by a script ``module`` never reaches (nor it
+    ``module``)? (An instance of a project class is known by its class: facts._sharded_elsewhere.)"""
+    from synccheck.analyzer.project.facts import _reaches
+
+    if getattr(wrapper, "kind", None) != "fsdp2" or not getattr(wrapper, "site", None) or module is None:
+        return False
+    sharded_in = project.module_at(wrapper.site[0])
+    if sharded_in is None or sharded_in is module:
+        return False
+    return not (_reaches(project, module, sharded_in) or _reaches(project, sharded_in, module))
