@@ -189,7 +189,8 @@ class Population:
     @property
     def data_parallel(self) -> bool:
         m = self.model
-        return m != PLAIN and m.kind in vocab.DATA_PARALLEL and not m.single and not _sharded_elsewhere(self.flow, m)
+        return m != PLAIN and m.kind in vocab.DATA_PARALLEL and not m.single and \
+            not _sharded_elsewhere(self.flow, m) and m not in self.flow.program.frozen_models()
 
     @property
     def managed(self) -> bool:

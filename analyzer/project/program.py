@@ -31,6 +31,7 @@ class Program(Words, WrappedModels):
         self._inferred = None
         self._wrapping = None
         self._managed = None
+        self._frozen = None              # wrapped_models.frozen_models
         self._parameter_loops: dict = {}  # function uid -> its loops over a model's parameters (managed_models)
         self._flows = None
         self.incomplete: list = []      # roots whose analysis hit a budget

@@ -195,6 +195,35 @@ class WrappedModels:
             self._managed = frozenset(out)
         return self._managed
 
+    def frozen_models(self) -> frozenset:
+        """Wrapped models whose every parameter is frozen (DINO's teacher, wrapped in DDP only so that
+        its SyncBatchNorm runs, then ``for p in teacher.parameters(): p.requires_grad = False`` and moved
+        by an EMA): no gradient, so nothing to all-reduce. Not where the same file turns any gradient
+        back on (``requires_grad = True``: a frozen backbone whose head trains)."""
+        if self._frozen is None:
+            out = set()
+            for module in self.project.modules():
+                text = module.text
+                if "requires_grad" not in text or _UNFREEZES.search(text):
+                    continue
+                for node in ast.walk(module.tree):
+                    owner = None
+                    if isinstance(node, ast.For) and _parameters_call(node.iter) and len(node.body) == 1 and \
+                            _freezes(node.body[0], node.target):
+                        owner = node.iter.func.value
+                    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                            node.func.attr == "requires_grad_" and node.args and \
+                            isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
+                        owner = node.func.value
+                    if owner is None:
+                        continue
+                    from synccheck.analyzer.project.definitions import enclosing_function
+                    scope = enclosing_function(module, node) or module
+                    owners = self.values.expr(owner, scope)
+                    out |= self.wrappers(owners) | self.models_of(owners)
+            self._frozen = frozenset(out)
+        return self._frozen
+
     def _parameters_owner(self, expr, scope) -> frozenset:
         """The values whose parameters ``expr`` is (``model.parameters()``), else what ``expr`` holds."""
         if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and \
@@ -224,6 +253,17 @@ class WrappedModels:
             if id(call) in inside and any(isinstance(n, ast.Name) and n.id in names for n in walk(call.args[0])):
                 return owner
         return None
+
+
+_UNFREEZES = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(?:True)?\s*\)")
+
+
+def _freezes(stmt, target) -> bool:
+    """``p.requires_grad = False`` on the loop's parameter."""
+    return isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Attribute) and \
+        stmt.targets[0].attr == "requires_grad" and isinstance(stmt.value, ast.Constant) and \
+        stmt.value.value is False and isinstance(target, ast.Name) and \
+        isinstance(stmt.targets[0].value, ast.Name) and stmt.targets[0].value.id == target.id
 
 
 def _parameters_call(node) -> bool:
