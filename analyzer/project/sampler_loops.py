@@ -42,6 +42,9 @@ def _loader_bindings(values, module):
     and is first bound by a call (``train_loader = make_dataloader(...)``)."""
     for scope in [module] + list(module.functions.values()):
         for name, bound in values.info(scope).assigns.items():
+            # (``dataloader = None`` first, then ``dataloader, channels = get_dataset_distributed(...)``
+            # in the epoch loop: pi-GAN)
+            bound = [b for b in bound if not (isinstance(b[0], ast.Constant) and b[0].value is None)]
             if _LOADER_NAME.search(name) and bound and type(bound[0][0]) is ast.Call:
                 yield scope, name, bound
 
