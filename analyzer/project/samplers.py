@@ -59,6 +59,7 @@ def samplers_without_set_epoch(program) -> list:
         return []
     seeded: dict = {}           # sampler -> the modules whose set_epoch calls reseed it
     unknown = False
+    unknown_in: set = set()     # modules with a set_epoch on a receiver not followed
     once: dict = {}             # sampler -> the modules that set its epoch once, before the epoch loop
     main_only: dict = {}        # sampler -> (the rank test its only set_epoch calls are under, module)
     checker = None
@@ -93,7 +94,8 @@ def samplers_without_set_epoch(program) -> list:
             if isinstance(v, Sampler):
                 seeded.setdefault(v, set()).add(values.module_of(scope))
             elif isinstance(v, (Unknown, Obj, Ext)):
-                unknown = True
+                # (a set_epoch on something not followed: it may reseed any sampler this script reaches)
+                unknown_in.add(values.module_of(scope))
     # ``pre_epoch = sampler.set_epoch`` (a bound method kept and called later, NaviLLM)
     for scope, receiver in _set_epoch_kept(program):
         for v in values.expr(receiver, scope):
@@ -117,7 +119,18 @@ def samplers_without_set_epoch(program) -> list:
     for module, call, sampler, scope in made:
         if sampler in prepared or _seeded_by_epoch(call) or _over_data_made_each_epoch(scope, call):
             continue
-        if module.linted and sampler not in seeded:
+        if unknown_in and not (module.linted and _builder_shared(module, call, scope)):
+            if module.linted and sampler not in seeded:
+                continue        # (as before: a set_epoch not followed may be this one's)
+        if unknown_in and module.linted and _builder_shared(module, call, scope):
+            # a builder shared by several scripts (ALBEF's ``create_sampler``), some of which call
+            # ``train_loader.sampler.set_epoch`` on loaders not followed: said only where a script
+            # takes the loader and neither it nor a module it imports reseeds anything
+            reseeding = set(seeded.get(sampler, ())) | unknown_in
+            sites = [site for site in _takers(program, sampler)
+                     if site[0] is not module and not any(m is site[0] or _import_related(m, site[0]) for m in reseeding)
+                     and _loops_over_epochs(site[0])]
+        elif module.linted and sampler not in seeded:
             sites = [(module, call, _assigned_name(module, call), scope)]
             if isinstance(scope, Function) and scope.cls is None:
                 # a builder function (``get_loader(args)`` in utils/data_utils.py): the fix belongs in the
@@ -133,7 +146,7 @@ def samplers_without_set_epoch(program) -> list:
             # another script that shares the builder)
             sites = [site for site in _takers(program, sampler)
                      if not any(m is module or m is site[0] or _import_related(m, site[0])
-                                for m in seeded.get(sampler, ())) and
+                                for m in seeded.get(sampler, set()) | unknown_in) and
                      _loops_over_epochs(site[0])]
         if not sites:
             continue
