@@ -256,3 +256,26 @@ def test_a_sampler_over_a_dataset_rebuilt_each_epoch(tmp_path):
         text = REBUILT.format(data=data)
         assert found(write_project(tmp_path / name, {"train.py": text})) == {
             ("train.py", _line(text, "DistributedSampler(dataset"), "SC302")}
+
+
+MAIN_BUILDS = """
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from engine import fit
+
+
+    def main(model, optimizer, dataset, config):
+        train_sampler = DistributedSampler(dataset, shuffle=True)
+        train_loader = DataLoader(dataset, sampler=train_sampler, batch_size=32)
+        fit(DDP(model), optimizer, train_loader, config["epochs"])
+"""
+
+
+def test_a_script_built_sampler_is_also_told_at_the_epoch_loop_it_is_handed_to(tmp_path):
+    # MPCoder: main.py builds the sampler and its loader, train_utils.train loops over the epochs
+    root = write_project(tmp_path, {"main.py": MAIN_BUILDS, "engine.py": FIT})
+    assert found(root) == {("main.py", _line(MAIN_BUILDS, "DistributedSampler(dataset"), "SC302"),
+                           ("engine.py", _line(FIT, "for epoch in range"), "SC302")}

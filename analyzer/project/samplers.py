@@ -13,7 +13,7 @@ from synccheck.analyzer.project.unwrapped import _text
 from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.sampler_loops import (_EVALUATION, _EVALUATION_FUNCTION, _builder_shared,
                                                       _follow_loaders, _has_epoch_loop, _import_related,
-                                                      _loops_over_epochs, _takers)
+                                                      _draws_from, _handed_loaders, _loops_over_epochs, _takers)
 
 
 class UnseededSampler(NamedTuple):
@@ -137,6 +137,13 @@ def samplers_without_set_epoch(program) -> list:
                 # epoch loop of the script that takes its loader, so that script is told too
                 sites += [site for site in _takers(program, sampler)
                           if site[0] is not module and _loops_over_epochs(site[0])]
+                if len(sites) == 1:
+                    # ``train(model, train_dataloader, ...)`` of another file loops over the epochs
+                    # itself, handed the loader (MPCoder's train_utils.py): said at that loop too
+                    sites += [(m, loop, f"{name}.sampler", fn) for m in program.project.linted() if m is not module
+                              for fn, loop, name in _handed_loaders(m)
+                              if not _EVALUATION.search(name) and
+                              _draws_from(program.values, program.values.parameter(fn, name), sampler)]
         elif module.linted and not _builder_shared(module, call, scope):
             continue
         else:
