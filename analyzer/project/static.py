@@ -76,15 +76,11 @@ def _never_skipping(program) -> list:
 
 def _written_one(program, framework) -> bool:
     """Was this Accelerator built with ``gradient_accumulation_steps=1`` written out?"""
-    path, line, col = framework.site[:3]
-    module = program.project.module_at(path)
-    if module is None:
-        return False
-    for node in ast.walk(module.tree):
-        if isinstance(node, ast.Call) and node.lineno == line and node.col_offset == col:
-            return any(k.arg == "gradient_accumulation_steps" and isinstance(k.value, ast.Constant) and
-                       k.value.value == 1 for k in node.keywords)
-    return False
+    from synccheck.analyzer.project.value_frameworks import call_at
+
+    built = call_at(program.project, framework.site)
+    return built is not None and any(k.arg == "gradient_accumulation_steps" and isinstance(k.value, ast.Constant)
+                                     and k.value.value == 1 for k in built.keywords)
 
 
 def _counts_micro_steps(module) -> bool:

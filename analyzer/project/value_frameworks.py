@@ -64,10 +64,14 @@ class FrameworkValues:
         if not isinstance(receiver, ast.Name):
             return False
         for value, _ in self.bound_expressions(receiver.id, scope):
-            if isinstance(value, ast.Call) and any(
-                    kw.arg == "deepspeed_plugin" and not (isinstance(kw.value, ast.Constant) and kw.value.value is None)
-                    for kw in value.keywords):
+            if isinstance(value, ast.Call) and _plugs_deepspeed(value):
                 return True
+        # (built by a helper of another file: ``accelerator = make_accelerator(args)``)
+        for v in self.expr(receiver, scope):
+            if isinstance(v, Framework) and v.kind == "accelerate":
+                built = call_at(self.project, v.site)
+                if built is not None and _plugs_deepspeed(built):
+                    return True
         return False
 
     def _dummy_optimizer(self, arg, prepare, scope) -> bool:
@@ -251,4 +255,21 @@ def _comprehension_source(arg, scope):
         if isinstance(node, ast.comprehension) and isinstance(node.target, ast.Name) and \
                 node.target.id == arg.id and isinstance(node.iter, (ast.Name, ast.Attribute)):
             return node.iter
+    return None
+
+
+def _plugs_deepspeed(call) -> bool:
+    """``Accelerator(deepspeed_plugin=...)`` with a plugin (not None)."""
+    return any(kw.arg == "deepspeed_plugin" and not (isinstance(kw.value, ast.Constant) and kw.value.value is None)
+               for kw in call.keywords)
+
+
+def call_at(project, site):
+    """The call at a value's site ``(path, line, column, ...)``, if its module is parsed."""
+    module = project.module_at(site[0]) if site else None
+    if module is None:
+        return None
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Call) and node.lineno == site[1] and node.col_offset == site[2]:
+            return node
     return None
