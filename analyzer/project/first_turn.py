@@ -53,6 +53,14 @@ class FirstTurn:
         found = self.flow.counter_loop(ast.dump(left), fr)
         if found is None:
             found = self._step_count(left.id, fr, getattr(node, "lineno", 0))
+        if found is None and isinstance(fr.scope, Function) and left.id in fr.scope.params and \
+                "epoch" in left.id.lower() and self.flow.loop_stack:
+            # ``def train_one_epoch(model, ..., epoch, args)`` handed ``for epoch in range(args.epochs)``:
+            # ``epoch == 0`` holds on training's first turn, the outermost running loop's (MAE's guard
+            # ``first = epoch == 0 and data_iter_step == 0`` for static_graph)
+            # (true all through that first epoch: not "the first turn only" of the loop it runs in)
+            atom.first = (self.flow.loop_stack[0], COMPARISONS[op](0, right.value))
+            return
         if found is None:
             return
         loop, start = found
