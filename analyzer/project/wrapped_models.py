@@ -215,7 +215,7 @@ class WrappedModels:
                             node.func.attr == "requires_grad_" and node.args and \
                             isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
                         owner = node.func.value
-                    if owner is None:
+                    if owner is None or _copied(owner, self.project):
                         continue
                     from synccheck.analyzer.project.definitions import enclosing_function
                     scope = enclosing_function(module, node) or module
@@ -253,6 +253,17 @@ class WrappedModels:
             if id(call) in inside and any(isinstance(n, ast.Name) and n.id in names for n in walk(call.args[0])):
                 return owner
         return None
+
+
+def _copied(owner, project) -> bool:
+    """Is the frozen thing named like a copy (``self.shadow = copy.deepcopy(module)``, an EMA): a copy is
+    known by what it copies, and freezing it leaves the original training."""
+    last = owner.attr if isinstance(owner, ast.Attribute) else owner.id if isinstance(owner, ast.Name) else None
+    if last is None:
+        return True
+    made = re.compile(rf"\b{re.escape(last)}\s*=\s*(?:copy\.)?(?:deepcopy|copy)\(|"
+                      rf"\b{re.escape(last)}\s*=\s*\w*(?:EMA|Ema|Averaged)\w*\(")
+    return any(made.search(m.text) for m in project.modules() if last in m.text)
 
 
 _UNFREEZES = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(?:True)?\s*\)")
