@@ -137,11 +137,29 @@ class Loops:
                 self.atom_info[ctx.last.index] = ((), False)
         return ctx.last
 
+    def _runs_once(self, s, fr: Frame) -> bool:
+        """``for _ in range(n)`` where ``n`` holds 1 and only 1 (a literal, or every value it may hold)."""
+        it = s.iter
+        if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and
+                len(it.args) == 1 and not it.keywords):
+            return False
+        arg = it.args[0]
+        if isinstance(arg, ast.Constant):
+            return arg.value == 1
+        if not isinstance(arg, (ast.Name, ast.Attribute)):
+            return False
+        from synccheck.analyzer.project.values import Const
+        vals = self.values.expr(arg, fr.scope)
+        return bool(vals) and all(isinstance(v, Const) and v.value == 1 for v in vals)
+
     def loop(self, s, st: St, fr: Frame):
         info = self.loop_info(s)
         is_for = not isinstance(s, ast.While)
         iterated = self.expr(s.iter, st, fr) if is_for else None
-        counted = is_for and info.bound is not None and self.program.loop_runs_backward(s, fr)
+        # ``for _ in range(self.grad_accum_every)`` where every value the count may hold is 1 (the
+        # constructor's default, and what each caller passes): one turn, no micro-steps (LAPA)
+        once = is_for and self._runs_once(s, fr)
+        counted = is_for and info.bound is not None and self.program.loop_runs_backward(s, fr) and not once
         ctx = LoopCtx(info, None)
         last = self.last_atom(ctx) if counted else None
         turn = self.values.iteration(s.iter, fr.scope) if is_for else ONE_UNKNOWN
@@ -192,7 +210,7 @@ class Loops:
             fr.loops.pop()
             end = self.join([out] + ctx.continues)
             back = self.restrict(end.copy(), self.atoms.formula(last, False)) if (last is not None and end) else end
-            new_head = self.join([entry, self.back_edge(back, info)])
+            new_head = entry if once else self.join([entry, self.back_edge(back, info)])
             if new_head is not None and len(new_head.props) > self.peak:
                 self.peak = len(new_head.props)
             if _same(new_head, head):
@@ -202,6 +220,8 @@ class Loops:
         exits = list(ctx.breaks)
         if last is not None:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
+        elif once:
+            exits.append(end)
         elif is_for and end is not None and (info.id in self.optimizer_loops or info.each(_flags_each)):
             exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
         elif is_for:
