@@ -143,6 +143,9 @@ class Loops:
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and
                 len(it.args) == 1 and not it.keywords):
             return False
+        if any(isinstance(n, (ast.For, ast.While, ast.AsyncFor)) for stmt in s.body for n in ast.walk(stmt)):
+            return False        # (an epoch loop run once still holds the micro-steps' loop: its first
+            #                    turn is what ``self.global_step == 0`` tells apart)
         arg = it.args[0]
         if isinstance(arg, ast.Constant):
             return arg.value == 1
