@@ -120,8 +120,9 @@ def samplers_without_set_epoch(program) -> list:
         if sampler in prepared or _seeded_by_epoch(call) or _over_data_made_each_epoch(scope, call):
             continue
         if unknown_in and not (module.linted and _builder_shared(module, call, scope)):
-            if module.linted and sampler not in seeded:
-                continue        # (as before: a set_epoch not followed may be this one's)
+            if module.linted and sampler not in seeded and any(
+                    m is module or _import_related(m, module) for m in unknown_in):
+                continue        # (a set_epoch not followed, in this script or one related to it, may be this one's)
         if unknown_in and module.linted and _builder_shared(module, call, scope):
             # a builder shared by several scripts (ALBEF's ``create_sampler``), some of which call
             # ``train_loader.sampler.set_epoch`` on loaders not followed: said only where a script
