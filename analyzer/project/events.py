@@ -139,6 +139,10 @@ def expr(flow, node, st, fr) -> EnvVal:
             # ``loss / world_size``: an average over the ranks (which DDP's all-reduce already does),
             # not over the micro-steps
             scaled = left.scaled
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _per_batch(node.right):
+            # ``loss / (args.train_batch_size / input_ids.shape[0])``: a rescale for a short batch, or a
+            # sum made a mean over the batch; the micro-steps' count is not in it (DialoGPT)
+            scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right):
             # ``loss / accum_steps`` where ``accum_steps`` is a parameter left at its default of 1 by
             # every caller: divided by nothing
@@ -444,3 +448,22 @@ from synccheck.analyzer.project.micro_step import (_each, _owned, _sync_gradient
                                                    forward, step, zero_grad)
 from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, _is_no_grad_call, _opaque_context,
                                                      _run_helper, pop_controls, push_controls, with_)
+
+
+_BATCH_DIVISOR = re.compile(r"batch_?size|\bbsz\b|\.shape\b|\.size\(|numel", re.I)
+
+
+def _per_batch(divisor) -> bool:
+    """Does the divisor measure the batch (its size, a tensor's shape) and not name a count of
+    micro-steps (events' scaling words: ``accum``, ``micro``, ``chunks``...)?"""
+    text = ast.unparse(divisor)
+    lower = text.lower()
+    # (``loss / self.batch_split``: the micro-batches one batch is split into)
+    if not _BATCH_DIVISOR.search(text) or "split" in lower or any(w in lower for w in _COUNT_WORDS):
+        return False
+    # a tensor measured (``input_ids.shape[0]``), or one configured size; a ratio of two configured sizes
+    # (``total_batch_size / batch_size``) may be the count itself
+    return bool(_MEASURED.search(text)) or not isinstance(divisor, ast.BinOp)
+
+
+_MEASURED = re.compile(r"\.shape\b|\.size\(|numel")
