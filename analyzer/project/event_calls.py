@@ -180,6 +180,10 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
         owners = _inner_wrappers(expr(flow, func.value.value, st, fr).values)
         if owners:
             return inner_forward(flow, node, owners, args, kws, st, fr)
+    renamed = _wrapped_under_another_name(flow, node, fr) if isinstance(func, ast.Name) else None
+    if renamed:
+        # ``ddp_model = DDP(model)`` and then ``model(x)``: the forward skips the wrapper
+        return inner_forward(flow, node, renamed, args, kws, st, fr)
     targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
             flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
@@ -525,6 +529,33 @@ def _call_lambda(flow, lam: ast.Lambda, args, kws, st, fr) -> EnvVal:
 
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
+def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
+    """The DDP wrapper when ``node`` calls ``model`` after ``ddp_model = DDP(model, ...)`` in the same
+    function, ``model`` bound once before it and never after (the tutorial mistake of training the
+    module that was wrapped under a new name). Read from the function's own assignments only."""
+    scope = fr.scope
+    if not isinstance(scope, Function) or "DistributedDataParallel" not in fr.module.text and "DDP" not in fr.module.text:
+        return None
+    name = node.func.id
+    assigns = flow.values.info(scope).assigns
+    for target, bound in assigns.items():
+        if target == name:
+            continue
+        for value, path in bound:
+            if path or not isinstance(value, ast.Call) or not value.args or \
+                    not (isinstance(value.args[0], ast.Name) and value.args[0].id == name) or \
+                    not (value.lineno < node.lineno <= (scope.node.end_lineno or node.lineno)):
+                continue
+            wrappers = frozenset(w for w in flow.values.expr(value, scope) if isinstance(w, Wrapper) and w.kind == "ddp")
+            if not wrappers:
+                continue
+            # ``model`` itself never rebound after the wrapping (``model = ddp_model`` would be fine)
+            if any(getattr(v, "lineno", 0) > value.lineno for v, _ in assigns.get(name, ())):
+                return None
+            return wrappers
+    return None
+
+
 from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, SyncSetter,
                                                _cond_of, _property_test, _prov, _val, expr)
 from synccheck.analyzer.project.inlining import _held_models, inline

@@ -1,3 +1,4 @@
+import ast
 import os
 
 from synccheck.analyzer.rules.base import Rule
@@ -141,7 +142,11 @@ class UnsyncedStep(Rule):
                 if token.by in flow.records.bypassed:
                     by_module, by_node = ctx.node(flow, token.by)
                     at_module, at_node = _handed_over(by_module, by_node, module, node)
-                    what = (f"this forward calls the module inside the DDP wrapper (`{ctx.control_text(flow, token.by)}`)"
+                    renamed = at_node is by_node and isinstance(getattr(by_node, "func", None), ast.Name)
+                    wrapper = ctx.model_name(token.model)
+                    what = (f"this forward calls `{by_node.func.id}`, the module a DDP wrapper (`{wrapper}`) was built "
+                            f"around, not the wrapper" if renamed else
+                            f"this forward calls the module inside the DDP wrapper (`{ctx.control_text(flow, token.by)}`)"
                             if at_node is by_node else
                             f"this hands the module inside the DDP wrapper (`{ctx.text(at_module, at_node)}`) to a "
                             f"function that runs it (`{ctx.control_text(flow, token.by)}`, "
@@ -150,6 +155,8 @@ class UnsyncedStep(Rule):
                                f"{what}, so DDP never prepares its reducer: "
                                f"the backward all-reduces nothing and the optimizer steps on each rank's own "
                                f"gradients; ranks silently diverge",
+                               f"call the wrapper (`{wrapper}(...)`) for a forward whose gradients must be all-reduced"
+                               if renamed else
                                "call the wrapper itself (`model(x)`), not `model.module(x)`, for a forward "
                                "whose gradients must be all-reduced" if at_node is by_node else
                                f"hand over the wrapper itself (`{ctx.text(at_module, at_node).removesuffix('.module')}`): "
