@@ -276,12 +276,19 @@ class _RankChecker(RankTests):
     def _full_gather(self, call: ast.Call) -> Optional[str]:
         """``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:
         FSDP all-gathers every parameter for it, on every rank (rank0_only only says who keeps it); so
-        does ``FSDP.optim_state_dict(model, optimizer)`` there, and ``FSDP.full_optim_state_dict`` anywhere."""
+        does ``FSDP.optim_state_dict(model, optimizer)`` there, ``FSDP.full_optim_state_dict`` anywhere, and
+        ``FSDP.summon_full_params(model)``."""
         func = call.func
         if not isinstance(func, ast.Attribute):
             return None
         if func.attr == "state_dict" and not call.args and ast.unparse(func.value) in self._full_state_dict:
             return "state_dict"
+        if func.attr == "summon_full_params":
+            # ``with FSDP.summon_full_params(model):`` all-gathers the shards, on every rank
+            # (``rank0_only=True`` only says who keeps the result)
+            receiver = ast.unparse(func.value)
+            if "FSDP" in receiver or "FullyShardedDataParallel" in receiver or not call.args:
+                return func.attr
         if func.attr == "full_optim_state_dict" or (func.attr == "optim_state_dict" and call.args and
                                                     ast.unparse(call.args[0]) in self._full_state_dict):
             receiver = ast.unparse(func.value)

@@ -215,7 +215,8 @@ def _rank_branch_calls(text: str) -> bool:
     function of this file that runs one: cheap text, so files without one are never parsed."""
     runs = None
     for body in _rank_blocks(text):
-        if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body or (
+        if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body or \
+                "summon_full_params(" in body or (
                 ".save_state(" in body and "accelerat" in text):
             # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers;
             # under DeepSpeed, ``accelerator.save_state`` saves through a barrier: whether it runs
@@ -346,7 +347,7 @@ class CollectiveInRankBranch(Rule):
         # a collective of torch.distributed / accelerate / lightning, and something that tells ranks apart
         # substring tests first: the regexes are slow over a large file
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
-                and (_has_collective(text) or "FULL_STATE_DICT" in text or
+                and (_has_collective(text) or "FULL_STATE_DICT" in text or "summon_full_params" in text or
                      (".save_state(" in text and "accelerat" in text))):
             return False
         # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line; a
