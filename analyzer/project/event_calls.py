@@ -254,6 +254,11 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     # a call's result is a fresh value (a loss function's output is not divided), unless it was
     # computed from something already divided
     scaled = True if any(a.scaled for a in list(args) + list(kws.values())) else False
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if scaled and called in _FRESH_LOSS:
+        # ``F.kl_div(F.log_softmax(student / T, -1), ...)``: logits divided by a temperature are not a
+        # loss divided by the micro-steps; a nonlinearity or a loss function makes a fresh value
+        scaled = False
     if isinstance(func, ast.Attribute) and func.attr == "scale" and len(args) == 1 and not kws and (
             args[0].scaled is not None or not args[0].prov):
         # ``scaler.scale(loss)``: the loss times the scaler's factor, which the step undoes; divided
@@ -529,6 +534,13 @@ def _call_lambda(flow, lam: ast.Lambda, args, kws, st, fr) -> EnvVal:
 
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
+# functions whose result is not as divided as their input: nonlinearities and loss functions
+_FRESH_LOSS = frozenset(("softmax", "log_softmax", "sigmoid", "logsigmoid", "tanh", "normalize", "exp", "log",
+                         "kl_div", "cross_entropy", "nll_loss", "binary_cross_entropy",
+                         "binary_cross_entropy_with_logits", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                         "cosine_similarity", "logsumexp"))
+
+
 def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
     """The DDP wrapper when ``node`` calls ``model`` after ``ddp_model = DDP(model, ...)`` in the same
     function, ``model`` bound once before it and never after (the tutorial mistake of training the

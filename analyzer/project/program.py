@@ -330,7 +330,7 @@ def _scaled_walk(info, items: dict) -> tuple:
     while todo:
         expr, via_items, summed = todo.pop()
         entries = _containers_summed(expr)
-        for node in walk(expr):
+        for node in _outside_fresh_calls(expr):
             if isinstance(node, ast.BinOp) and (isinstance(node.op, (ast.Div, ast.FloorDiv)) or isinstance(
                     node.op, ast.Mult) and (scales_by_count(node.left) or scales_by_count(node.right))):
                 # (a product by a weight, ``beta * kld``, ``-0.5 * torch.mean(...)``, is not 1/N)
@@ -347,6 +347,24 @@ def _scaled_walk(info, items: dict) -> tuple:
                 if whole:
                     todo.extend((value, True, False) for value in items.get(text, ()))
     return found, through_items
+
+
+def _outside_fresh_calls(expr):
+    """The nodes of ``expr``, not entering the arguments of a nonlinearity or a loss function
+    (``F.log_softmax(student_logits / T)``: a temperature divides the logits, not the loss)."""
+    from synccheck.analyzer.project.event_calls import _FRESH_LOSS
+
+    todo = [expr]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if called in _FRESH_LOSS:
+                todo.append(func)
+                continue
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def _containers_summed(expr):
