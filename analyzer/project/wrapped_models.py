@@ -219,8 +219,10 @@ class WrappedModels:
                         continue
                     from synccheck.analyzer.project.definitions import enclosing_function
                     scope = enclosing_function(module, node) or module
-                    owners = self.values.expr(owner, scope)
-                    out |= self.wrappers(owners) | self.models_of(owners)
+                    # (the wrapper itself only: a module is known by where it was made, and the model
+                    # that trains may come from the same factory as the frozen reference,
+                    # ``ref_model, _ = init_model(...)`` beside ``model, _ = init_model(...)``)
+                    out |= {v for v in self.values.expr(owner, scope) if isinstance(v, Wrapper)}
             self._frozen = frozenset(out)
         return self._frozen
 
