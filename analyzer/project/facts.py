@@ -18,7 +18,7 @@ condition, which excludes the synced case on the boundary, does.
 from __future__ import annotations
 
 import ast
-
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -301,7 +301,65 @@ def _sharded_elsewhere(flow, model) -> bool:
     sharding of one script's instance is not the other's."""
     from synccheck.analyzer.project.wrapped_models import _in_place_elsewhere
 
-    return _in_place_elsewhere(flow.program.project, model, getattr(flow.root, "module", flow.root))
+    if model.kind != "fsdp2" or not model.site:
+        return False
+    if not _in_place_elsewhere(flow.program.project, model, getattr(flow.root, "module", flow.root)):
+        # (an import says little where the recipes of one library all import the package that holds
+        # its sharding helper, torchtune's: does this training run call the function that shards?)
+        return not _runs_the_sharding(flow, model)
+    return True
+
+
+def _runs_the_sharding(flow, model) -> bool:
+    """Does the flow's root, or a function that calls it (two callers up), call the function holding
+    the in-place sharding call (``fully_shard``), four calls deep at most? A script's module-level code
+    shards for itself only."""
+    from synccheck.analyzer.project.definitions import Function, enclosing_function
+
+    program = flow.program
+    sharded_in = program.project.module_at(model.site[0])
+    if sharded_in is None:
+        return True
+    holder = enclosing_function(sharded_in, SimpleNamespace(lineno=model.site[1]))
+    root = flow.root
+    if holder is None:
+        return getattr(root, "module", root) is sharded_in
+    starts, frontier = [root], [root]
+    if isinstance(root, Function) and root.cls is not None:
+        # a recipe class: ``setup()`` shards in ``_setup_model()``, ``train()`` runs the loop
+        starts.extend(m for m in root.cls.methods.values() if isinstance(m, Function) and m is not root)
+    for _ in range(2):
+        callers = []
+        for fn in frontier:
+            if isinstance(fn, Function):
+                for scope, _, _ in flow.values.callers(fn):
+                    if isinstance(scope, Function) and scope not in starts:
+                        callers.append(scope)
+                    elif not isinstance(scope, Function) and scope not in starts:
+                        starts.append(scope)
+        starts.extend(callers)
+        frontier = callers
+    seen = set()
+    todo = [(s, 0) for s in starts]
+    while todo:
+        scope, depth = todo.pop()
+        if scope is holder:
+            return True
+        key = id(scope)
+        if key in seen or depth > 4 or len(seen) > 400:
+            continue
+        seen.add(key)
+        nodes = scope.nodes() if isinstance(scope, Function) else ast.walk(scope.tree)
+        for node in nodes:
+            if isinstance(node, ast.Call):
+                targets = program.syntactic_targets(node, scope)
+                if targets is None and isinstance(node.func, ast.Subscript):
+                    # ``PARALLELIZE[cfg.name](model, mesh)``: a registry of functions (torchtitan)
+                    targets = program.call_targets(node, scope)
+                for target in targets or ():
+                    if isinstance(target, Function):
+                        todo.append((target, depth + 1))
+    return False
 
 
 def _reaches(project, start, goal, depth: int = 4) -> bool:
