@@ -106,6 +106,7 @@ class UnscaledAccumulatedLoss(Rule):
                            autofix=lambda flow=flow, site=site, info=info: plan_more.unscaled(flow, site, info))
 
 
+_HOOK_DIVIDES = re.compile(r"buffer\(\)\.div_\(|\.div_\([^)\n]*accum", re.I)
 _RESCALE = re.compile(r"(multiply_grads|\.grad\.div_|\.grad\.mul_|scale_grads|grad /=|grad \*=|\.grad\.data\.div_|"
                       r"\.grad\.data\.mul_)(?P<rest>[^\n]*)")
 
@@ -241,6 +242,11 @@ def _grads_rescaled(flow) -> bool:
             texts.append(module.segment(fn.node) or "")
     if _rescales(texts):
         return True
+    # a DDP communication hook that divides each bucket by the micro-steps before the all-reduce
+    # (NVIDIA's BERT: ``bucket.set_buffer(bucket.buffer().div_(args.gradient_accumulation_steps))``)
+    for module in {id(m): m for m, _ in flow.records.nodes.values() if m is not None}.values():
+        if "register_comm_hook" in module.text and _HOOK_DIVIDES.search(module.text):
+            return True
     # one call further: a helper of those modules the loop calls (ClassyVision's
     # ``self._rescale_gradients(1 / self.optimizer_period)`` before the step)
     called = {m.group(1) for text in texts for m in _CALLED.finditer(text)}
