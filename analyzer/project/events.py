@@ -139,7 +139,9 @@ def expr(flow, node, st, fr) -> EnvVal:
             # ``loss / world_size``: an average over the ranks (which DDP's all-reduce already does),
             # not over the micro-steps
             scaled = left.scaled
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _per_batch(node.right):
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _per_batch(node.right) and \
+                not _MEASURED.search(ast.unparse(node.left)):
+            # (``loss * x.shape[0] / inputs.shape[0]``: a chunk's share of the batch, open_lm's 1/N)
             # ``loss / (args.train_batch_size / input_ids.shape[0])``: a rescale for a short batch, or a
             # sum made a mean over the batch; the micro-steps' count is not in it (DialoGPT)
             scaled = left.scaled
