@@ -17,8 +17,11 @@ class UnsyncedStep(Rule):
     what = """
         Finds accumulation loops where the micro-step right before `optimizer.step()` runs with
         gradient sync off: `no_sync()` around every micro-step, around the boundary one, a sync
-        condition that is the inverse of (or off by one from) the step's condition, or a forward
-        inside `no_sync()` whose backward runs outside it.
+        condition that is the inverse of (or off by one from) the step's condition, or, on that
+        boundary micro-step, a forward inside `no_sync()` whose backward runs outside it (DDP decides
+        at the forward). Also a forward that skips the wrapper (`model.module(x)`, the module a DDP
+        wrapper was built around called by its own name, or handed to a helper that runs it): its
+        backward all-reduces nothing.
     """
     why = """
         Under `no_sync()` each rank keeps its own local gradients. If the optimizer steps on them,
