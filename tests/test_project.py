@@ -1517,21 +1517,25 @@ def test_a_library_callbacks_hook_is_taken_to_run(tmp_path):
     check_project(tmp_path, LIBRARY_CALLBACK_SEEDS_THE_SAMPLER)
 
 
+# save_state on the main process only: a hang where every launch configuration is DeepSpeed's
+SAVE_STATE_ON_THE_MAIN_RANK = (
+    "from accelerate import Accelerator\n\n\n"
+    "def main(model, loader, out):\n"
+    "    accelerator = Accelerator(gradient_accumulation_steps=4)\n"
+    "    model, loader = accelerator.prepare(model, loader)\n"
+    "    for step, batch in enumerate(loader):\n"
+    "        with accelerator.accumulate(model):\n"
+    "            accelerator.backward(model(**batch).loss)\n"
+    "        if accelerator.is_main_process:\n"
+    "            accelerator.save_state(out)\n")
+
+
 def test_launch_configs_are_a_dependency_of_the_cached_result(tmp_path):
     """A project whose only accelerate launch configuration says DeepSpeed makes save_state on rank 0 a
     hang; editing that YAML (or adding a multi-GPU one beside it) must not be hidden by the cache."""
     from synccheck.analyzer.engine import lint
 
-    (tmp_path / "train.py").write_text(
-        "from accelerate import Accelerator\n\n\n"
-        "def main(model, loader, out):\n"
-        "    accelerator = Accelerator(gradient_accumulation_steps=4)\n"
-        "    model, loader = accelerator.prepare(model, loader)\n"
-        "    for step, batch in enumerate(loader):\n"
-        "        with accelerator.accumulate(model):\n"
-        "            accelerator.backward(model(**batch).loss)\n"
-        "        if accelerator.is_main_process:\n"
-        "            accelerator.save_state(out)\n")
+    (tmp_path / "train.py").write_text(SAVE_STATE_ON_THE_MAIN_RANK)
     (tmp_path / "zero3.yaml").write_text("distributed_type: DEEPSPEED\nnum_processes: 8\n")
     cache = str(tmp_path / "cache")
 
@@ -1551,16 +1555,7 @@ def test_launch_configs_are_read_within_the_repository_only(tmp_path):
 
     repo = tmp_path / "work" / "repo"
     (repo / ".git").mkdir(parents=True)
-    (repo / "train.py").write_text(
-        "from accelerate import Accelerator\n\n\n"
-        "def main(model, loader, out):\n"
-        "    accelerator = Accelerator(gradient_accumulation_steps=4)\n"
-        "    model, loader = accelerator.prepare(model, loader)\n"
-        "    for step, batch in enumerate(loader):\n"
-        "        with accelerator.accumulate(model):\n"
-        "            accelerator.backward(model(**batch).loss)\n"
-        "        if accelerator.is_main_process:\n"
-        "            accelerator.save_state(out)\n")
+    (repo / "train.py").write_text(SAVE_STATE_ON_THE_MAIN_RANK)
     (repo / "configs").mkdir()
     (repo / "configs" / "zero3.yaml").write_text("distributed_type: DEEPSPEED\n")
     # outside the repository: another project's multi-GPU launch, and a test folder named for configs

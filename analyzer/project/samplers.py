@@ -123,15 +123,8 @@ def samplers_without_set_epoch(program) -> list:
             if module.linted and sampler not in seeded and any(
                     m is module or _import_related(m, module) for m in unknown_in):
                 continue        # (a set_epoch not followed, in this script or one related to it, may be this one's)
-        if unknown_in and module.linted and _builder_shared(module, call, scope):
-            # a builder shared by several scripts (ALBEF's ``create_sampler``), some of which call
-            # ``train_loader.sampler.set_epoch`` on loaders not followed: said only where a script
-            # takes the loader and neither it nor a module it imports reseeds anything
-            reseeding = set(seeded.get(sampler, ())) | unknown_in
-            sites = [site for site in _takers(program, sampler)
-                     if site[0] is not module and not any(m is site[0] or _import_related(m, site[0]) for m in reseeding)
-                     and _loops_over_epochs(site[0])]
-        elif module.linted and sampler not in seeded:
+        shared = module.linted and _builder_shared(module, call, scope)
+        if module.linted and sampler not in seeded and not (unknown_in and shared):
             sites = [(module, call, _assigned_name(module, call), scope)]
             if isinstance(scope, Function) and scope.cls is None:
                 # a builder function (``get_loader(args)`` in utils/data_utils.py): the fix belongs in the
@@ -145,16 +138,18 @@ def samplers_without_set_epoch(program) -> list:
                               for fn, loop, name in _handed_loaders(m)
                               if not _EVALUATION.search(name) and
                               _draws_from(program.values, program.values.parameter(fn, name), sampler)]
-        elif module.linted and not _builder_shared(module, call, scope):
+        elif module.linted and not shared:
             continue
         else:
             # built by a builder that several scripts share, or in a file not linted
             # (``train_loader = make_dataloader(...)``, the sampler made two calls away): said where a
             # linted script takes it, unless a set_epoch of the same program reseeds it (not one in
-            # another script that shares the builder)
+            # another script that shares the builder); a set_epoch on a loader not followed (ALBEF's
+            # ``train_loader.sampler.set_epoch`` beside a shared ``create_sampler``) may reseed the
+            # samplers of its own script and of the scripts it imports or is imported by
             sites = [site for site in _takers(program, sampler)
-                     if not any(m is module or m is site[0] or _import_related(m, site[0])
-                                for m in seeded.get(sampler, set()) | unknown_in) and
+                     if site[0] is not module and not any(m is module or m is site[0] or _import_related(m, site[0])
+                                                          for m in seeded.get(sampler, set()) | unknown_in) and
                      _loops_over_epochs(site[0])]
         if not sites:
             continue
