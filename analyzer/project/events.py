@@ -463,9 +463,10 @@ def _per_batch(divisor) -> bool:
     # (``loss / self.batch_split``: the micro-batches one batch is split into)
     if not _BATCH_DIVISOR.search(text) or "split" in lower or any(w in lower for w in _COUNT_WORDS):
         return False
-    # a tensor measured (``input_ids.shape[0]``), or one configured size; a ratio of two configured sizes
-    # (``total_batch_size / batch_size``) may be the count itself
-    return bool(_MEASURED.search(text)) or not isinstance(divisor, ast.BinOp)
+    # a tensor measured (``input_ids.shape[0]``, this micro-batch's own size); a configured size may be
+    # the whole batch's (OLMo's ``ce_loss / batch_size_in_tokens``: a sum over the micro-steps' tokens,
+    # their 1/N), and a ratio of two may be the count itself
+    return bool(_MEASURED.search(text))
 
 
 _MEASURED = re.compile(r"\.shape\b|\.size\(|numel")
