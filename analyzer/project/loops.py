@@ -151,6 +151,10 @@ class Loops:
             return arg.value == 1
         if not isinstance(arg, (ast.Name, ast.Attribute)):
             return False
+        if isinstance(arg, ast.Attribute) and not (isinstance(arg.value, ast.Name) and arg.value.id == "self"):
+            # ``args.num_microbatches``: a config record's field, which a YAML file or the command line
+            # may set where no code does (mistral-finetune's TrainArgs)
+            return False
         from synccheck.analyzer.project.values import Const
         vals = self.values.expr(arg, fr.scope)
         return bool(vals) and all(isinstance(v, Const) and v.value == 1 for v in vals)
