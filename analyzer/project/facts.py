@@ -311,8 +311,9 @@ def _sharded_elsewhere(flow, model) -> bool:
 
 
 def _runs_the_sharding(flow, model) -> bool:
-    """Does the flow's root, or a function that calls it (two callers up), call the function holding
-    the in-place sharding call (``fully_shard``), four calls deep at most? A script's module-level code
+    """Does this training run shard the model: does the flow's root, or a function that calls it (two
+    callers up), call the function holding the in-place sharding call (``fully_shard``), four calls deep
+    at most; and where it is not seen to, does no other script run it? A script's module-level code
     shards for itself only."""
     from synccheck.analyzer.project.definitions import Function, enclosing_function
 
@@ -339,6 +340,25 @@ def _runs_the_sharding(flow, model) -> bool:
                         starts.append(scope)
         starts.extend(callers)
         frontier = callers
+    if _calls_down_to(program, starts, holder):
+        return True
+    # not seen from here: the sharding counts for this run unless a script of its own, beside this one,
+    # is seen to run it (torchtune's distributed recipe beside the single-device one; a loader reached
+    # only through a registry of pipelines, FastVideo's, is no such evidence)
+    root_module = getattr(root, "module", root)
+    name = holder.node.name
+    for module in program.project.linted():
+        if module is root_module or "__main__" not in module.text or name not in module.text:
+            continue
+        if _calls_down_to(program, list(module.functions.values()) + [module], holder):
+            return False
+    return True
+
+
+def _calls_down_to(program, starts: list, holder) -> bool:
+    """Does a call from one of ``starts`` reach ``holder``, four calls deep at most?"""
+    from synccheck.analyzer.project.definitions import Function
+
     seen = set()
     todo = [(s, 0) for s in starts]
     while todo:
