@@ -146,7 +146,12 @@ def python_lines(cell: List[str]) -> List[str]:
         return [""] + python_lines(cell[1:])
     out: List[str] = []
     scanner = _Scanner()
+    shell_continues = False         # ``!python train.py \`` goes on on the next line
     for line in cell:
+        if shell_continues:
+            out.append("")
+            shell_continues = line.rstrip().endswith("\\")
+            continue
         if scanner.at_statement_start():
             stripped = line.lstrip()
             indent = line[:len(line) - len(stripped)]
@@ -156,6 +161,7 @@ def python_lines(cell: List[str]) -> List[str]:
                 continue
             if stripped.startswith(ESCAPES) or _help_suffix(stripped):
                 out.append(indent + "pass")
+                shell_continues = stripped.rstrip().endswith("\\")
                 continue
         scanner.feed(line)
         out.append(line)

@@ -84,6 +84,8 @@ def test_magics_do_not_break_the_parse(tmp_path):
     (["out = !ls"], ["out = None"]),
     (["%%bash", "ls -la", "echo 'x"], ["", "", ""]),
     (["%%time", "%time f()", "g()"], ["", "pass", "g()"]),
+    # a shell command continued over several lines (ABCD-3DCNN's notebooks): every line is the command's
+    (["!python train.py \\", "  --lr 0.1 \\", "  --epochs 3", "x = 1"], ["pass", "", "", "x = 1"]),
 ])
 def test_python_lines(cell_lines, expected):
     assert python_lines(cell_lines) == expected
