@@ -110,7 +110,8 @@ def samplers_without_set_epoch(program) -> list:
     unknown = unknown or any(_SET_EPOCH_BY_NAME.search(m.text) for m in program.project.linted())
     # ``self.train_dataloader.dataset.shuffle(epoch)``: the dataset permutes its own items by the epoch,
     # the same on every rank, so the sampler's fixed indices draw a new order each epoch (Grad-W)
-    unknown = unknown or any(_DATASET_RESHUFFLED.search(m.text) for m in program.project.modules())
+    unknown = unknown or any("shuffle" in m.text and _DATASET_RESHUFFLED.search(m.text)
+                             for m in program.project.modules())
     if unknown:
         return []
     prepared = _prepared_loaders(program)
@@ -248,7 +249,7 @@ def _last_name(node) -> str:
 
 
 _SET_EPOCH_BY_NAME = re.compile(r"getattr\([^)\n]*[\"']set_epoch[\"']")
-_DATASET_RESHUFFLED = re.compile(r"(?i)\w*(?:dataset|data_set|\bds)\w*\.(?:re)?shuffle\w*\(\s*(?:self\.)?\w*epoch")
+_DATASET_RESHUFFLED = re.compile(r"(?i)(?:dataset|data_set|\bds)\w*\.(?:re)?shuffle\w*\(\s*(?:self\.)?\w*epoch")
 
 
 def _seeded_by_epoch(call) -> bool:

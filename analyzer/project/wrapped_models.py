@@ -204,8 +204,8 @@ class WrappedModels:
             out = set()
             for module in self.project.modules():
                 text = module.text
-                if "requires_grad" not in text or _UNFREEZES.search(text):
-                    continue
+                if "requires_grad" not in text or not _WRAPS.search(text) or _UNFREEZES.search(text):
+                    continue        # (a wrapper frozen itself is frozen where it is wrapped, or beside it)
                 for node in ast.walk(module.tree):
                     owner = None
                     if isinstance(node, ast.For) and _parameters_call(node.iter) and len(node.body) == 1 and \
@@ -215,7 +215,7 @@ class WrappedModels:
                             node.func.attr == "requires_grad_" and node.args and \
                             isinstance(node.args[0], ast.Constant) and node.args[0].value is False:
                         owner = node.func.value
-                    if owner is None or _copied(owner, self.project):
+                    if owner is None or _copied(owner, module.text):
                         continue
                     from synccheck.analyzer.project.definitions import enclosing_function
                     scope = enclosing_function(module, node) or module
@@ -257,17 +257,19 @@ class WrappedModels:
         return None
 
 
-def _copied(owner, project) -> bool:
-    """Is the frozen thing named like a copy (``self.shadow = copy.deepcopy(module)``, an EMA): a copy is
-    known by what it copies, and freezing it leaves the original training."""
+def _copied(owner, text: str) -> bool:
+    """Is the frozen thing made as a copy in the file that freezes it (``self.shadow =
+    copy.deepcopy(module)``, an EMA)? A copy is known by what it copies, and freezing it leaves the
+    original training."""
     last = owner.attr if isinstance(owner, ast.Attribute) else owner.id if isinstance(owner, ast.Name) else None
     if last is None:
         return True
     made = re.compile(rf"\b{re.escape(last)}\s*=\s*(?:copy\.)?(?:deepcopy|copy)\(|"
                       rf"\b{re.escape(last)}\s*=\s*\w*(?:EMA|Ema|Averaged)\w*\(")
-    return any(made.search(m.text) for m in project.modules() if last in m.text)
+    return bool(made.search(text))
 
 
+_WRAPS = re.compile(r"DistributedDataParallel|\bDDP\(|FullyShardedDataParallel|\bFSDP\(|\.prepare\(")
 _UNFREEZES = re.compile(r"requires_grad\s*=\s*True|requires_grad_\(\s*(?:True)?\s*\)")
 
 
