@@ -452,21 +452,15 @@ from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, 
                                                      _run_helper, pop_controls, push_controls, with_)
 
 
-_BATCH_DIVISOR = re.compile(r"batch_?size|\bbsz\b|\.shape\b|\.size\(|numel", re.I)
-
-
 def _per_batch(divisor) -> bool:
-    """Does the divisor measure the batch (its size, a tensor's shape) and not name a count of
-    micro-steps (events' scaling words: ``accum``, ``micro``, ``chunks``...)?"""
+    """Does the divisor measure a tensor (``input_ids.shape[0]``, this micro-batch's own size) and name
+    no count of micro-steps (events' scaling words: ``accum``, ``micro``, ``chunks``...)? A configured
+    size may be the whole batch's (OLMo's ``ce_loss / batch_size_in_tokens``: a sum over the micro-steps'
+    tokens, their 1/N), and a ratio of two may be the count itself."""
     text = ast.unparse(divisor)
     lower = text.lower()
     # (``loss / self.batch_split``: the micro-batches one batch is split into)
-    if not _BATCH_DIVISOR.search(text) or "split" in lower or any(w in lower for w in _COUNT_WORDS):
-        return False
-    # a tensor measured (``input_ids.shape[0]``, this micro-batch's own size); a configured size may be
-    # the whole batch's (OLMo's ``ce_loss / batch_size_in_tokens``: a sum over the micro-steps' tokens,
-    # their 1/N), and a ratio of two may be the count itself
-    return bool(_MEASURED.search(text))
+    return bool(_MEASURED.search(text)) and "split" not in lower and not any(w in lower for w in _COUNT_WORDS)
 
 
 _MEASURED = re.compile(r"\.shape\b|\.size\(|numel")

@@ -334,10 +334,9 @@ def _runs_the_sharding(flow, model) -> bool:
         for fn in frontier:
             if isinstance(fn, Function):
                 for scope, _, _ in flow.values.callers(fn):
-                    if isinstance(scope, Function) and scope not in starts:
-                        callers.append(scope)
-                    elif not isinstance(scope, Function) and scope not in starts:
-                        starts.append(scope)
+                    if scope not in starts:
+                        # (a module's script body calls it: a start, with no callers of its own)
+                        (callers if isinstance(scope, Function) else starts).append(scope)
         starts.extend(callers)
         frontier = callers
     if _calls_down_to(program, starts, holder):
@@ -381,28 +380,3 @@ def _calls_down_to(program, starts: list, holder) -> bool:
                         todo.append((target, depth + 1))
     return False
 
-
-def _reaches(project, start, goal, depth: int = 4) -> bool:
-    """Does ``start`` import ``goal``, directly or through project modules (``depth`` imports deep)?"""
-    seen = {id(start)}
-    frontier = [start]
-    for _ in range(depth):
-        nxt = []
-        for module in frontier:
-            for mod, attr, level in module.imports.values():
-                for name in (mod, f"{mod}.{attr}" if mod else attr):
-                    found = project.find_module(module, name, level) if name else None
-                    if found is goal:
-                        return True
-                    if found is not None and id(found) not in seen:
-                        seen.add(id(found))
-                        nxt.append(found)
-            for mod, level in module.stars:
-                found = project.find_module(module, mod, level)
-                if found is goal:
-                    return True
-                if found is not None and id(found) not in seen:
-                    seen.add(id(found))
-                    nxt.append(found)
-        frontier = nxt
-    return False

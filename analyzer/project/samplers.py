@@ -120,11 +120,10 @@ def samplers_without_set_epoch(program) -> list:
     for module, call, sampler, scope in made:
         if sampler in prepared or _seeded_by_epoch(call) or _over_data_made_each_epoch(scope, call):
             continue
-        if unknown_in and not (module.linted and _builder_shared(module, call, scope)):
-            if module.linted and sampler not in seeded and any(
-                    m is module or _import_related(m, module) for m in unknown_in):
-                continue        # (a set_epoch not followed, in this script or one related to it, may be this one's)
         shared = module.linted and _builder_shared(module, call, scope)
+        if unknown_in and not shared and module.linted and sampler not in seeded and any(
+                m is module or _import_related(m, module) for m in unknown_in):
+            continue        # (a set_epoch not followed, in this script or one related to it, may be this one's)
         if module.linted and sampler not in seeded and not (unknown_in and shared):
             sites = [(module, call, _assigned_name(module, call), scope)]
             if isinstance(scope, Function) and scope.cls is None:

@@ -11,7 +11,7 @@ import ast
 import re
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.definitions import Function, ModuleRef
+from synccheck.analyzer.project.definitions import Function, ModuleRef, enclosing_function
 from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
 from synccheck.analyzer.project.values import Framework, Inner, Inst, LocalSGD, Obj, Wrapper
 
@@ -217,7 +217,6 @@ class WrappedModels:
                         owner = node.func.value
                     if owner is None or _copied(owner, module.text):
                         continue
-                    from synccheck.analyzer.project.definitions import enclosing_function
                     scope = enclosing_function(module, node) or module
                     # (the wrapper itself only: a module is known by where it was made, and the model
                     # that trains may come from the same factory as the frozen reference,
@@ -303,11 +302,30 @@ def _wrappers_in(v) -> list:
 def _in_place_elsewhere(project, wrapper, module) -> bool:
     """Is ``wrapper`` an FSDP2 sharding done in place by a script ``module`` never reaches (nor it
     ``module``)? (An instance of a project class is known by its class: facts._sharded_elsewhere.)"""
-    from synccheck.analyzer.project.facts import _reaches
-
     if getattr(wrapper, "kind", None) != "fsdp2" or not getattr(wrapper, "site", None) or module is None:
         return False
     sharded_in = project.module_at(wrapper.site[0])
     if sharded_in is None or sharded_in is module:
         return False
     return not (_reaches(project, module, sharded_in) or _reaches(project, sharded_in, module))
+
+
+def _reaches(project, start, goal, depth: int = 4) -> bool:
+    """Does ``start`` import ``goal``, directly or through project modules (``depth`` imports deep)?"""
+    seen = {id(start)}
+    frontier = [start]
+    for _ in range(depth):
+        nxt = []
+        for module in frontier:
+            # ``import a.b`` / ``from a import b`` (either may name the module) and ``from a import *``
+            named = [(name, level) for mod, attr, level in module.imports.values()
+                     for name in (mod, f"{mod}.{attr}" if mod else attr) if name]
+            for name, level in named + list(module.stars):
+                found = project.find_module(module, name, level)
+                if found is goal:
+                    return True
+                if found is not None and id(found) not in seen:
+                    seen.add(id(found))
+                    nxt.append(found)
+        frontier = nxt
+    return False

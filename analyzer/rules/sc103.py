@@ -204,8 +204,6 @@ def _handed_over(at_module, at_node, module, node) -> tuple:
     """Where the inner module was handed to the function that runs it: ``loss_fn(online_net=self.net.module)``
     in the trainer whose backward this is, when the bypassing call is ``online_net(x)`` on a parameter
     of a function elsewhere (a correct loss helper: the bug is the argument). Else the call itself."""
-    import ast
-
     from synccheck.analyzer.project.definitions import enclosing_function
 
     if at_node is None or module is None or node is None:
