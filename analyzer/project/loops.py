@@ -143,18 +143,17 @@ class Loops:
         if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range" and
                 len(it.args) == 1 and not it.keywords):
             return False
+        arg = it.args[0]
+        if not (isinstance(arg, ast.Constant) and arg.value == 1 or isinstance(arg, ast.Name) or
+                isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id == "self"):
+            # (``args.num_microbatches``: a config record's field, which a YAML file or the command line
+            # may set where no code does, mistral-finetune's TrainArgs)
+            return False
         if any(isinstance(n, (ast.For, ast.While, ast.AsyncFor)) for stmt in s.body for n in ast.walk(stmt)):
             return False        # (an epoch loop run once still holds the micro-steps' loop: its first
             #                    turn is what ``self.global_step == 0`` tells apart)
-        arg = it.args[0]
         if isinstance(arg, ast.Constant):
-            return arg.value == 1
-        if not isinstance(arg, (ast.Name, ast.Attribute)):
-            return False
-        if isinstance(arg, ast.Attribute) and not (isinstance(arg.value, ast.Name) and arg.value.id == "self"):
-            # ``args.num_microbatches``: a config record's field, which a YAML file or the command line
-            # may set where no code does (mistral-finetune's TrainArgs)
-            return False
+            return True
         from synccheck.analyzer.project.values import Const
         vals = self.values.expr(arg, fr.scope)
         return bool(vals) and all(isinstance(v, Const) and v.value == 1 for v in vals)
