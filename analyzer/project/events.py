@@ -145,6 +145,11 @@ def expr(flow, node, st, fr) -> EnvVal:
             # ``loss / (args.train_batch_size / input_ids.shape[0])``: a rescale for a short batch, or a
             # sum made a mean over the batch; the micro-steps' count is not in it (DialoGPT)
             scaled = left.scaled
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and mean_over(
+                node.left, node.right, node, fr.scope.node if isinstance(fr.scope, Function) else None):
+            # ``sum(losses) / len(losses)``, ``total / len(turns)`` after a loop adding a loss per
+            # turn: a mean over what one micro-step holds, not over the micro-steps
+            scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right):
             # ``loss / accum_steps`` where ``accum_steps`` is a parameter left at its default of 1 by
             # every caller: divided by nothing
@@ -227,7 +232,9 @@ def expr(flow, node, st, fr) -> EnvVal:
         vals = frozenset(picked) or vals
         return _val(vals, recv.prov, recv.scaled)
     if t is ast.Constant:
-        return _val(frozenset((Const(node.value),)) if isinstance(node.value, (bool, int, type(None))) else ONE_UNKNOWN)
+        # (a float only as the 0.0 an accumulator starts from, ``total_loss = 0.0``)
+        return _val(frozenset((Const(node.value),)) if isinstance(node.value, (bool, int, type(None))) or
+                    node.value == 0.0 and type(node.value) is float else ONE_UNKNOWN)
     if t is ast.NamedExpr:
         value = expr(flow, node.value, st, fr)
         assign(flow, node.target, value, node, st, fr)
@@ -343,8 +350,9 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
 
 
 def _losses_scaled(parts) -> Optional[bool]:
-    """How divided the losses among ``parts`` (those a forward made) are, when they agree; else None."""
-    losses = {p.scaled for p in parts if p.prov}
+    """How divided the losses among ``parts`` (those a forward made; in plain PyTorch, those known
+    fresh or divided) are, when they agree; else None."""
+    losses = {p.scaled for p in parts if p.prov} or {p.scaled for p in parts if p.scaled is not None}
     return losses.pop() if len(losses) == 1 else None
 
 
@@ -452,6 +460,60 @@ from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, 
                                                      _run_helper, pop_controls, push_controls, with_)
 
 
+def not_the_count(node: ast.BinOp, fn_node) -> bool:
+    """Is this division, by its own text, never the accumulation's 1/N: by the world size, by this
+    micro-batch's own measured size or tokens, or a mean over what one micro-step holds? (What a
+    function's returns are read for where its body is not walked.)"""
+    right = ast.unparse(node.right)
+    return bool(_WORLD_SIZE.search(right)) or _per_batch(node.right) and not _MEASURED.search(ast.unparse(node.left)) \
+        or mean_over(node.left, node.right, node, fn_node)
+
+
+def mean_over(numerator, divisor, at, fn_node) -> bool:
+    """Is ``numerator / divisor`` a mean over a collection one micro-step holds? ``sum(xs) / len(xs)``;
+    or ``total / len(turns)`` (``total /= len(turns)``) where ``total`` is added to in a loop over
+    ``turns`` (or ``range(len(turns))``, ``enumerate(turns)``) of this function that has ended before
+    ``at`` (a division inside that loop, ``loss / len(chunks)`` per chunk, is a share of the loop)."""
+    if not (type(divisor) is ast.Call and type(divisor.func) is ast.Name and divisor.func.id == "len" and
+            len(divisor.args) == 1 and not divisor.keywords):
+        return False
+    counted = _plain_text(divisor.args[0])
+    if counted is None:
+        return False
+    if type(numerator) is ast.Call and type(numerator.func) is ast.Name and numerator.func.id == "sum" and \
+            numerator.args and _plain_text(numerator.args[0]) == counted:
+        return True
+    total = _dotted(numerator)
+    if total is None or fn_node is None:
+        return False
+    for loop in walk(fn_node):
+        if type(loop) is not ast.For or _plain_text(_over(loop.iter)) != counted or \
+                not loop.lineno <= getattr(at, "lineno", 0) or getattr(at, "lineno", 0) <= loop.end_lineno:
+            continue
+        if any(type(n) is ast.AugAssign and type(n.op) is ast.Add and _dotted(n.target) == total
+               for n in walk(loop)):
+            return True
+    return False
+
+
+def _plain_text(node) -> Optional[str]:
+    """The text of a name, attribute chain or constant item of one (``batch["turns"]``); else None."""
+    if type(node) is ast.Subscript:
+        inner = _plain_text(node.value)
+        return None if inner is None or type(node.slice) is not ast.Constant else f"{inner}[{node.slice.value!r}]"
+    return _dotted(node) if node is not None else None
+
+
+def _over(iterated):
+    """What a loop goes over: ``turns`` for ``turns``, ``enumerate(turns)``, ``range(len(turns))``."""
+    while type(iterated) is ast.Call and type(iterated.func) is ast.Name and iterated.args and \
+            iterated.func.id in ("enumerate", "range", "len", "reversed"):
+        if iterated.func.id == "range" and len(iterated.args) != 1:
+            return None
+        iterated = iterated.args[0]
+    return iterated
+
+
 def _per_batch(divisor) -> bool:
     """Does the divisor measure a tensor (``input_ids.shape[0]``, this micro-batch's own size) and name
     no count of micro-steps (events' scaling words: ``accum``, ``micro``, ``chunks``...)? A configured
@@ -460,7 +522,10 @@ def _per_batch(divisor) -> bool:
     text = ast.unparse(divisor)
     lower = text.lower()
     # (``loss / self.batch_split``: the micro-batches one batch is split into)
-    return bool(_MEASURED.search(text)) and "split" not in lower and not any(w in lower for w in _COUNT_WORDS)
+    return bool(_MEASURED.search(text) or _TOKENS_HERE.search(text)) and "split" not in lower and \
+        not any(w in lower for w in _COUNT_WORDS)
 
 
 _MEASURED = re.compile(r"\.shape\b|\.size\(|numel")
+# ``loss.sum(1) / mask.sum(1)``, ``/ (labels != -100).sum()``: this micro-batch's own tokens counted
+_TOKENS_HERE = re.compile(r"(?:mask|label|target|\.ne\(|!=)[^/]*\.sum\(", re.I)

@@ -72,6 +72,12 @@ def _scaled_or(a, b):
     return False
 
 
+def zero_start(v: EnvVal) -> bool:
+    """Is ``v`` the 0 an accumulator starts from (``total_loss = 0.0``), no loss yet?"""
+    return v.scaled is None and not v.prov and bool(v.alts) and all(
+        type(x).__name__ == "Const" and type(x.value) in (int, float) and x.value == 0 for _, vals in v.alts for x in vals)
+
+
 def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
     if a == b:
         return a
@@ -90,9 +96,9 @@ def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
             merged |= v
         alts = ((TRUE, merged),)
     version = a.version if a.version == b.version else ("merge", _vkey(a.version), _vkey(b.version))
-    if a.scaled is None and not a.prov and b.prov:
+    if a.scaled is None and not a.prov and (b.prov or zero_start(a)):
         scaled = b.scaled       # ``total = 0.0`` before a loop that adds the losses: the losses' scaling
-    elif b.scaled is None and not b.prov and a.prov:
+    elif b.scaled is None and not b.prov and (a.prov or zero_start(b)):
         scaled = a.scaled
     else:
         scaled = _scaled_or(a.scaled, b.scaled) if (a.scaled or b.scaled) else \

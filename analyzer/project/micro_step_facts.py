@@ -355,6 +355,8 @@ def first_iteration_off(flow) -> list:
     for (site, model, decided, by, first, loops), guard in flow.records.forwards.items():
         if model == PLAIN or model.kind != "ddp" or not model.static_graph or decided != "off" or by is None:
             continue
+        if by == site and site in flow.records.bypassed:
+            continue        # a forward past the wrapper (SC103's): the reducer is not touched, sync not turned off
         if repeated is None:
             repeated = _called_in_a_loop(flow)
         if repeated:

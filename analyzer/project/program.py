@@ -233,9 +233,9 @@ class Program(Words, WrappedModels):
         if key not in self._words:
             info = self.values.info(fn)
             self._words[key] = (None, False)
-            found, through_items = _scaled_walk(info, _item_stores(fn.node))
+            found, through_items = _scaled_walk(info, _item_stores(fn.node), fn.node)
             # (and not so without the stores: the walk with none is the names' own)
-            self._words[key] = (found, found and through_items and not _scaled_walk(info, {})[0])
+            self._words[key] = (found, found and through_items and not _scaled_walk(info, {}, fn.node)[0])
         return self._words[key]
 
     # words that are no event by themselves: a call of a value (maybe a model), a way out, a wrapper made
@@ -319,19 +319,21 @@ def lightning_manual_step(fn, segment: str) -> bool:
         "automatic_optimization" in fn.module.segment(fn.cls.node) and len(fn.params) >= 3
 
 
-def _scaled_walk(info, items: dict) -> tuple:
+def _scaled_walk(info, items: dict, fn_node=None) -> tuple:
     """(does a division or multiplication reach what the function returns, was one reached only through
     an entry stored into a container): the returns, the names' assignments, and the entries ``items``
     stored into a container the returned loss sums (``sum(l for l in d.values())``, not a metrics
     dict beside the loss)."""
     from synccheck.analyzer.project.event_methods import scales_by_count
+    from synccheck.analyzer.project.events import not_the_count
     found, through_items = False, False
     todo, seen = [(e, False, False) for e in info.returns], set()
     while todo:
         expr, via_items, summed = todo.pop()
         entries = _containers_summed(expr)
         for node in _outside_fresh_calls(expr):
-            if isinstance(node, ast.BinOp) and (isinstance(node.op, (ast.Div, ast.FloorDiv)) or isinstance(
+            if isinstance(node, ast.BinOp) and (isinstance(node.op, (ast.Div, ast.FloorDiv)) and
+                                                not not_the_count(node, fn_node) or isinstance(
                     node.op, ast.Mult) and (scales_by_count(node.left) or scales_by_count(node.right))):
                 # (a product by a weight, ``beta * kld``, ``-0.5 * torch.mean(...)``, is not 1/N)
                 found = True

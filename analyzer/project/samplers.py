@@ -69,7 +69,8 @@ def samplers_without_set_epoch(program) -> list:
         last = _last_name(call.func.value)
         if _DATASET.search(last) and "sampler" not in last.lower():
             continue        # ``train_loader.dataset.set_epoch(epoch)``: a dataset's hook, not the sampler's
-        if never_runs(program, scope) and not any(_reseeds_its_own(program, scope, s) for *_, s in made):
+        if never_runs(program, scope) and not _part_of_its_own_loop(scope, call) and \
+                not any(_reseeds_its_own(program, scope, s) for *_, s in made):
             # ``set_epoch`` in a hook nothing calls, or a hook class nothing registers (a class that
             # makes its sampler and reseeds it is one piece: made by a script out of view, or by nobody;
             # so is a base trainer's epoch loop reseeding what its subclass's get_dataloader built)
@@ -168,6 +169,23 @@ def samplers_without_set_epoch(program) -> list:
             out.append(UnseededSampler(site_module, node, name, any(map(here, once.get(sampler, ()))),
                                        test if tested_in is not None and here(tested_in) else ""))
     return out
+
+
+def _part_of_its_own_loop(scope, call) -> bool:
+    """Is this ``set_epoch`` in a class's own epoch loop, though nothing in view makes the class: in a
+    loop of the method, or in a method its class calls itself (``self._before_epoch()`` from its
+    ``run_epoch``)? The class is then one piece with the loop that draws from the sampler, made by a
+    script out of view; a hook nothing registers (a callback's ``on_epoch_start``) is called by
+    nobody in its class."""
+    if not isinstance(scope, Function) or scope.cls is None:
+        return False
+    if any(isinstance(n, (ast.For, ast.While)) and n.lineno < call.lineno <= (n.end_lineno or n.lineno)
+           for n in scope.nodes()):
+        return True
+    name = scope.node.name
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == name and
+               isinstance(n.func.value, ast.Name) and n.func.value.id == "self"
+               for other in scope.cls.methods.values() if other is not scope for n in other.nodes())
 
 
 def _main_rank_test(checker, scope, call) -> Optional[str]:
@@ -291,10 +309,11 @@ def _class_aliases(tree, names: set) -> set:
 
 
 def _prepared_loaders(program) -> set:
-    """Samplers whose loader goes through ``accelerator.prepare`` (which seeds its own sampler)."""
+    """Samplers whose loader goes through ``accelerator.prepare`` or ``fabric.setup_dataloaders``
+    (whose loaders set their sampler's epoch at each new pass)."""
     values = program.values
     out = set()
-    for scope, call in values.calls("prepare"):
+    for scope, call in values.calls("prepare") + values.calls("setup_dataloaders"):
         if not isinstance(call.func, ast.Attribute):
             continue
         if not any(isinstance(v, Framework) for v in values.expr(call.func.value, scope)):

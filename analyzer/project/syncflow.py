@@ -35,7 +35,7 @@ from synccheck.analyzer.project.value_calls import made_per_call
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Const, Obj, Unknown, site_of
 # Flow builds on loops.py; the rest is re-exported: these names have always been importable from here.
-from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey
+from synccheck.analyzer.project.flow_state import DEAD, Frame, St, _merge_props, _merge_val, _same, _scaled_or, _vkey, zero_start
 from synccheck.analyzer.project.entry_points import per_call_loop, then_call
 from synccheck.analyzer.project.program import lightning_manual_step
 from synccheck.analyzer.project.branches import DECIDED_KINDS, Branches
@@ -180,8 +180,11 @@ class Flow(Branches, Loops):
             if product is not events._UNWEIGHTED:
                 scaled = product             # ``loss *= weight``
             else:
-                scaled = old.scaled if isinstance(s.op, (ast.Div, ast.FloorDiv)) and events.is_one(value) else \
-                    True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else _scaled_or(old.scaled, value.scaled)
+                scaled = old.scaled if isinstance(s.op, (ast.Div, ast.FloorDiv)) and (
+                    events.is_one(value) or events.mean_over(
+                    s.target, s.value, s, fr.scope.node if isinstance(fr.scope, Function) else None)) else \
+                    True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else \
+                    value.scaled if zero_start(old) else _scaled_or(old.scaled, value.scaled)
             moved = None
             if isinstance(s.target, (ast.Name, ast.Attribute)):
                 moved = origin_of(ast.BinOp(s.target, s.op, s.value), st)    # ``step += 1``
