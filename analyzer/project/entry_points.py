@@ -54,9 +54,36 @@ def per_call_step(program, fn) -> bool:
     if not _gates_itself(program, fn) and not _calls_gated(program, fn):
         return False
     words = program.fn_words(fn)
-    if "backward" not in words or "step" not in words or called_in_view(program, fn.node.name):
+    if "backward" not in words or "step" not in words or \
+            called_in_view(program, fn.node.name) and not _called_past_the_flow(program, fn):
         return False
     return _counter_gates_step(program, fn, MAX_DEPTH, set())
+
+
+def _called_past_the_flow(program, fn) -> bool:
+    """Is the method ``fn`` called in view only where the flow cannot follow the call to it: on an
+    object known only as a parameter (``def train(m, loader): m.optimize(x)``), or through a
+    dispatch over more classes than a call is followed into (KAIR's ``model = define_Model(opt)``,
+    a dozen model classes, then ``model.optimize_parameters(step)``)? Then nothing analyses it in
+    place, and it is a micro-step of a loop out of view."""
+    from synccheck.analyzer.project.event_calls import MAX_FANOUT
+    from synccheck.analyzer.project.values import Inst, Obj, Unknown
+    if fn.cls is None:
+        return False
+    calls = program.values.calls(fn.node.name)
+    if not calls:
+        return False
+    for scope, call in calls:
+        if not isinstance(call.func, ast.Attribute):
+            return False
+        held = program.values.expr(call.func.value, scope)
+        if held and all(isinstance(v, (Unknown, Obj)) for v in held):
+            continue
+        classes = {v.cls.uid for v in held if isinstance(v, Inst)}
+        if len(classes) <= MAX_FANOUT or not any(fn.cls in program.project.mro(v.cls) for v in held
+                                                  if isinstance(v, Inst)):
+            return False
+    return True
 
 
 MAX_DRIVERS = 8
@@ -177,8 +204,8 @@ def _is_counter_test(test, counters: "_Counters") -> bool:
     """``x % n == 0`` in any form, or a comparison on a counter the class or function increments; or
     a name the function set to such a test (``do_step = self.n % self.period == 0``, ``if do_step:``)."""
     bare = test.operand if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) else test
-    if isinstance(bare, ast.Name):
-        value = counters.flags().get(bare.id)
+    if isinstance(bare, (ast.Name, ast.Attribute)):
+        value = counters.flags().get(_dotted(bare))
         return value is not None and _is_counter_test(value, counters)
     compared = []
     for node in walk(test):
@@ -200,12 +227,13 @@ class _Counters:
         self._flags = None
 
     def flags(self) -> dict:
-        """Names the function binds once to a test: name -> the test (a name bound twice is left out)."""
+        """Names (and ``self.x`` attributes) the function binds once to a test: name -> the test (a name
+        bound twice is left out). ``self.update = (self.count + 1) % self.n == 0 or update`` (KAIR)."""
         if self._flags is None:
             seen: dict = {}
             for node in walk(self.fn.node):
-                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                    name = node.targets[0].id
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and _dotted(node.targets[0]):
+                    name = _dotted(node.targets[0])
                     seen[name] = None if name in seen else node.value
             self._flags = {k: v for k, v in seen.items() if isinstance(v, (ast.Compare, ast.BoolOp))}
         return self._flags

@@ -61,6 +61,8 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             # is a keyword (physicsnemo's corrdiff)
             for key, value in _spread_dict(flow, kw.value, fr):
                 kws.setdefault(key, expr(flow, value, st, fr))
+    if recv is not None and func.attr == "requires_grad_":
+        _freeze(flow, func.value, recv, node, st, fr)
     if recv is not None and func.attr == "step":
         lib = _library_steppers(flow, recv.values)
         if lib:
@@ -104,6 +106,29 @@ def _spread_dict(flow, node, fr) -> list:
         return []
     return [(k.value, v) for k, v in zip(node.keys, node.values)
             if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, (ast.Name, ast.Attribute))]
+
+
+FROZEN = "#frozen"        # the env's entry for the wrappers frozen here (``requires_grad_(False)``)
+
+
+def _freeze(flow, receiver, recv: EnvVal, node: ast.Call, st, fr) -> None:
+    """``ddp_g.eval().requires_grad_(False)`` at the start of a phase that trains another model (a GAN's
+    discriminator, a score model): from here the wrapper makes no gradient and all-reduces nothing,
+    until ``requires_grad_(True)`` (or ``requires_grad_()``) turns it back on."""
+    wrappers = flow.program.wrappers(recv.values)
+    while not wrappers and isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute) and \
+            receiver.func.attr in ("train", "eval", "to", "cuda"):
+        receiver = receiver.func.value          # (``.eval()`` / ``.train()`` hand back the module)
+        wrappers = flow.program.wrappers(expr(flow, receiver, st, fr).values)
+    if not wrappers:
+        return
+    arg = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "requires_grad"), None)
+    if arg is not None and not isinstance(arg, ast.Constant):
+        return                                  # (``requires_grad_(train_d)``: not known here)
+    known = st.env.get(FROZEN)
+    frozen = known.values if known is not None else frozenset()
+    frozen = frozen | wrappers if arg is not None and arg.value is False else frozen - wrappers
+    st.env[FROZEN] = _val(frozen)
 
 
 def _library_steppers(flow, vals) -> frozenset:

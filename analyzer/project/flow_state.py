@@ -78,6 +78,17 @@ def zero_start(v: EnvVal) -> bool:
         type(x).__name__ == "Const" and type(x.value) in (int, float) and x.value == 0 for _, vals in v.alts for x in vals)
 
 
+def _bool_cond(v: EnvVal):
+    """(where it is true, where false) of a value that is one boolean constant; else None."""
+    if len(v.alts) == 1:
+        vals = v.alts[0][1]
+        if len(vals) == 1:
+            (x,) = tuple(vals)
+            if type(x).__name__ == "Const" and type(x.value) is bool:
+                return (TRUE, 0) if x.value else (0, TRUE)
+    return None
+
+
 def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
     if a == b:
         return a
@@ -85,8 +96,10 @@ def _merge_val(a: EnvVal, b: EnvVal, formulas) -> EnvVal:
         true, false = formulas
         alts = tuple((g & true, v) for g, v in a.alts if g & true) + tuple((g & false, v) for g, v in b.alts if g & false)
         cond = None
-        if a.cond is not None and b.cond is not None:
-            cond = ((true & a.cond[0]) | (false & b.cond[0]), (true & a.cond[1]) | (false & b.cond[1]))
+        ca, cb = a.cond or _bool_cond(a), b.cond or _bool_cond(b)
+        if ca is not None and cb is not None:
+            # (``done = True`` on one side, ``done = False`` on the other: ``if done:`` is that branch)
+            cond = ((true & ca[0]) | (false & cb[0]), (true & ca[1]) | (false & cb[1]))
     else:
         alts = a.alts + tuple(x for x in b.alts if x not in a.alts)
         cond = a.cond if a.cond == b.cond else None

@@ -32,6 +32,8 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     if yield_handler is None and not carries and not _worth_inlining(flow, fn, receiver, args, kws):
         return None
     env = dict(seed or {})
+    if "#frozen" in st.env:
+        env["#frozen"] = st.env["#frozen"]      # (the wrappers frozen for this phase stay frozen in a helper)
     params = list(fn.params)
     positional = list(args)
     if receiver is not None and fn.is_method and params:
@@ -74,6 +76,7 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
         hit = flow.memo.get(key)
         if hit is not None:
             st.props = dict(hit[0])
+            st.env.update(hit[2])
             return hit[1]
     from synccheck.analyzer.project.syncflow import Frame, St
     frame = Frame(fn, fr.depth + 1, fr.stack + (fn.uid,), fr.no_grad)
@@ -93,6 +96,7 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
         flow.call_stack.pop()
     ends = flow.join([out] + frame.returns)
     props = ends.props if ends is not None else {}
+    stored = _stored_outputs(fn, node, receiver, ends)
     if frame.ret_vals:
         rets = frame.ret_vals
         if len(rets) > 1:
@@ -112,9 +116,22 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     else:
         result = NONE_VAL
     st.props = dict(props)
+    st.env.update(stored)
     if key is not None:
-        flow.memo[key] = (props, result)
+        flow.memo[key] = (props, result, stored)
     return result
+
+
+def _stored_outputs(fn, node, receiver, ends) -> dict:
+    """What a method called on ``self`` stored on its instance from a model's forward, as the caller
+    names it: ``self.vq_forward()`` whose body is ``self.E, self.vq_loss = self.netG(x)`` (KAIR's
+    model classes) leaves ``self.E`` holding that forward's output for the loss the caller computes.
+    Only values a forward made (with a provenance) are handed back."""
+    if ends is None or receiver is None or not fn.is_method or not fn.params or \
+            not isinstance(node.func, ast.Attribute) or not isinstance(node.func.value, ast.Name):
+        return {}
+    mine, theirs = fn.params[0] + ".", node.func.value.id + "."
+    return {theirs + k[len(mine):]: v for k, v in ends.env.items() if k.startswith(mine) and v.prov}
 
 
 _CALLABLE = (Func, Bound, Cls, Inst, Inner, Obj)

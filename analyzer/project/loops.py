@@ -137,6 +137,27 @@ class Loops:
                 self.atom_info[ctx.last.index] = ((), False)
         return ctx.last
 
+    def _broke_atom(self, s, info: LoopInfo):
+        """An atom for "the loop ended by a ``break``", only for a loop that sets a flag to a constant
+        right before one of its breaks (a retry loop's ``loss_computed = True; break``)."""
+        flagged = False
+        for node in walk(s):
+            body = getattr(node, "body", None)
+            for block in (body, getattr(node, "orelse", None)):
+                if not isinstance(block, list):
+                    continue
+                for before, stmt in zip(block, block[1:]):
+                    if isinstance(stmt, ast.Break) and isinstance(before, ast.Assign) and \
+                            isinstance(before.value, ast.Constant) and isinstance(before.value.value, bool):
+                        flagged = True
+        if not flagged:
+            return None
+        atom = self.atoms.get(("BROKE", info.id), f"`{_loop_head(info.node, self)}` ended by a break")
+        if atom is not None:
+            atom.loop = info.id
+            self.atom_info[atom.index] = ((), False)
+        return atom
+
     def _runs_once(self, s, fr: Frame) -> bool:
         """``for _ in range(n)`` where ``n`` holds 1 and only 1 (a literal, or every value it may hold)."""
         it = s.iter
@@ -223,7 +244,8 @@ class Loops:
                 break
             head = new_head
         fr.gate = outer_gate
-        exits = list(ctx.breaks)
+        broke = self._broke_atom(s, info) if ctx.breaks else None
+        exits = [] if broke is not None else list(ctx.breaks)
         if last is not None:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
         elif once:
@@ -236,6 +258,11 @@ class Loops:
             _, false = self.conds.cond(s.test, head.copy(), fr, self.program.relevant_branch(s, fr))
             exits.append(self.restrict(head.copy(), false) if false else None)
         out = self.join(exits)
+        if broke is not None:
+            # ``done = True; break`` ... ``if done: optimizer.step()``: the exits by a break and the one
+            # past the last turn are told apart, so a flag set before the break says which one ran
+            yes, no = self.atoms.formula(broke, True), self.atoms.formula(broke, False)
+            out = self.join([self.restrict(self.join(ctx.breaks), yes), self.restrict(out, no)], (yes, no))
         if out is not None and s.orelse:
             out = self.block(s.orelse, out, fr)
         if out is not None and first:

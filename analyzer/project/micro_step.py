@@ -33,6 +33,11 @@ def _each(st, fn) -> None:
 
 
 def forward(flow, node, models: frozenset, args, kws, st, fr) -> EnvVal:
+    frozen = st.env.get("#frozen")        # (event_calls.FROZEN: frozen for this phase, no gradient)
+    if frozen is not None:
+        models = models - frozen.values
+        if not models:
+            return _val(ONE_UNKNOWN, _prov(*args, *kws.values()), False)
     prov = models | _prov(*args, *kws.values())
     if fr.no_grad:
         return _val(ONE_UNKNOWN)

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import Ext, Framework, Inst
+from synccheck.analyzer.project.values import Ext, Framework, Func, Inst
 from synccheck.analyzer.project.traversal import children, walk
 from synccheck.analyzer.project.rank_tests import RANK_NAME, RankTests, _kind, _negation, _ranked
 from synccheck.analyzer.project.collective_calls import (_COMMUNICATING, _case_value, _collective_aliases,
@@ -44,7 +44,7 @@ def collectives_in_rank_branches(program) -> list:
         for scope in scopes:
             body = scope.node.body if isinstance(scope, Function) else module.script_body()
             found: list = []
-            only = _main_only(scope) if isinstance(scope, Function) else None
+            only = _main_only(scope, checker) if isinstance(scope, Function) else None
             if only is not None:
                 # ``@rank_zero_only def save(...)``: the whole body is the main rank's side
                 checker.walk(body, "main", f"@{only}", scope, found)
@@ -448,10 +448,49 @@ class _RankChecker(RankTests):
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
 
 
-def _main_only(fn) -> Optional[str]:
-    """The decorator that makes ``fn`` run on the main process only, if it has one."""
+def _main_only(fn, checker=None) -> Optional[str]:
+    """The decorator that makes ``fn`` run on the main process only, if it has one: a library's
+    (``rank_zero_only``) or the project's own (Torchpie's ``rank0_fn``, whose wrapper calls the
+    function only under ``if local_rank_is_0:``)."""
     from synccheck.analyzer.rules.sc301 import RANK_DECORATORS
-    return next((called_name(d) for d in fn.node.decorator_list if called_name(d) in RANK_DECORATORS), None)
+    named = next((called_name(d) for d in fn.node.decorator_list if called_name(d) in RANK_DECORATORS), None)
+    if named is not None or checker is None:
+        return named
+    for d in fn.node.decorator_list:
+        if not isinstance(d, (ast.Name, ast.Attribute)):
+            continue        # (a decorator factory, ``@retry(3)``: not followed)
+        for v in checker.values.expr(d, fn.parent or fn.module):
+            if isinstance(v, Func) and _calls_on_main_only(checker, v.fn):
+                return called_name(d)
+    return None
+
+
+def _calls_on_main_only(checker, deco: Function) -> bool:
+    """Does the decorator ``deco`` return a wrapper that calls the function it was given only where a
+    rank test says the main rank (``if local_rank_is_0: return fn(*args, **kwargs)``)?"""
+    if not deco.params:
+        return False
+    given = deco.params[0]
+    for inner in deco.node.body:
+        if not isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        calls = [n for n in walk(inner) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == given]
+        if not calls:
+            continue
+        for n in walk(inner):
+            if not isinstance(n, ast.If):
+                continue
+            on_true, on_false = checker.sides(n.test, deco)
+            body_calls = {id(c) for s in n.body for c in walk(s)}
+            else_calls = {id(c) for s in n.orelse for c in walk(s)}
+            if all(id(c) in body_calls for c in calls) and on_true == "main" or \
+                    all(id(c) in else_calls for c in calls) and on_false == "main":
+                return True
+            # ``if rank != 0: return None`` first, the call after it
+            if n in inner.body and _exits(n.body) and not n.orelse and on_true == "other" and \
+                    all(c.lineno > n.end_lineno for c in calls):
+                return True
+    return False
 
 
 def _exits(stmts) -> bool:

@@ -19,7 +19,7 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
                  "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores", "imports",
-                 "annotated")
+                 "imports_more", "annotated")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -39,6 +39,7 @@ class ScopeInfo:
         self.fors: dict = {}             # name -> [(iterated expr, unpack path)]   (for name in expr)
         self.item_stores: dict = {}      # name -> [(key or None, value expr)]   (name[key] = value)
         self.imports: dict = {}          # name -> (module, attribute or None, level): imports in the body
+        self.imports_more: dict = {}     # name -> the other imports of it (one per branch of a dispatch)
         self.annotated: dict = {}        # name -> the annotation of ``name: T = value``
 
     def reaching(self, name: str, line: int) -> Optional[tuple]:
@@ -76,6 +77,16 @@ class Span(NamedTuple):
     first: int       # the binding statement's lines
     last: int
     always: bool     # runs whenever the scope runs this far: not under a branch, a loop or a handler
+
+
+def _import(info, local: str, spec: tuple) -> None:
+    """Bind ``local`` to an import; a name imported again (``if kind == "gan": from .gan import Model
+    as M`` ... ``elif ...: from .vae import Model as M``) keeps each import as an alternative."""
+    known = info.imports.get(local)
+    if known is None:
+        info.imports[local] = spec
+    elif known != spec and spec not in info.imports_more.get(local, ()):
+        info.imports_more.setdefault(local, []).append(spec)
 
 
 def scope_info(body: list, params: list, self_name: Optional[str]) -> ScopeInfo:
@@ -131,13 +142,13 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
             for alias in stmt.names:
                 local = alias.asname or alias.name.split(".")[0]
                 info.locals.add(local)
-                info.imports[local] = (alias.name, None, 0) if alias.asname else (local, None, 0)
+                _import(info, local, (alias.name, None, 0) if alias.asname else (local, None, 0))
         elif isinstance(stmt, ast.ImportFrom):
             for alias in stmt.names:
                 if alias.name != "*":
                     local = alias.asname or alias.name
                     info.locals.add(local)
-                    info.imports[local] = (stmt.module or "", alias.name, stmt.level)
+                    _import(info, local, (stmt.module or "", alias.name, stmt.level))
         elif isinstance(stmt, ast.Global):
             info.declared_global.update(stmt.names)
         elif isinstance(stmt, ast.Expr):

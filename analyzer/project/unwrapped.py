@@ -6,6 +6,7 @@ built around it.
 from __future__ import annotations
 
 import ast
+import re
 from typing import NamedTuple, Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
@@ -21,6 +22,31 @@ class Unwrapped(NamedTuple):
     how: str
     wrapper_text: str
     kind: str        # "module" (wrapper.module) | "original"
+
+
+_WRAPPER_TYPE = re.compile(r"DistributedDataParallel|\bDDP\b|FullyShardedDataParallel|\bFSDP\b")
+
+
+def _tested_for_a_wrapper(scope, call, target_node) -> bool:
+    """Is ``call`` on the side of an ``if`` that holds only where ``target_node`` is a wrapper:
+    ``isinstance(x, DistributedDataParallel)``, ``hasattr(x, "no_sync")``? Whatever else ``x`` may
+    be on other runs, here it is the wrapper."""
+    node = getattr(scope, "node", None)
+    if node is None:
+        return False
+    text = ast.unparse(target_node)
+    for n in ast.walk(node):
+        if not isinstance(n, ast.If) or not any(s.lineno <= call.lineno <= (s.end_lineno or s.lineno) for s in n.body):
+            continue
+        for test in ([n.test] + list(n.test.values) if isinstance(n.test, ast.BoolOp) and
+                     isinstance(n.test.op, ast.And) else [n.test]):
+            if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and len(test.args) == 2 and \
+                    ast.unparse(test.args[0]) == text and (
+                        test.func.id == "isinstance" and _WRAPPER_TYPE.search(ast.unparse(test.args[1])) or
+                        test.func.id == "hasattr" and isinstance(test.args[1], ast.Constant) and
+                        test.args[1].value == "no_sync"):
+                return True
+    return False
 
 
 def no_sync_on_unwrapped(program) -> list:
@@ -40,6 +66,8 @@ def no_sync_on_unwrapped(program) -> list:
             target_node = call.args[0]
         else:
             target_node = call.func.value
+        if _tested_for_a_wrapper(scope, call, target_node):
+            continue        # ``if isinstance(self.netG, DistributedDataParallel): with self.netG.no_sync():``
         target = values.expr(target_node, scope)
         inner = [v for v in target if isinstance(v, Inner)]
         if inner and _unwrapped_alias(values, scope, target_node):

@@ -265,9 +265,10 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
             out |= self._iterated(name, info, fn)
         if name in info.imports and not out:
             # ``from torch.nn.parallel import DistributedDataParallel`` inside the function
-            sym = self.project.resolve_import(fn.module, info.imports[name])
-            if sym is not None:
-                out |= self.symbol(sym)
+            for spec in [info.imports[name]] + info.imports_more.get(name, []):
+                sym = self.project.resolve_import(fn.module, spec)
+                if sym is not None:
+                    out |= self.symbol(sym)
         if name in fn.module.imports and not out:
             sym = self.project.resolve(fn.module, name)
             if sym is not None:
