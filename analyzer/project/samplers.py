@@ -140,7 +140,7 @@ def samplers_without_set_epoch(program) -> list:
                               if not _EVALUATION.search(name) and
                               _draws_from(program.values, program.values.parameter(fn, name), sampler)]
         elif module.linted and not shared:
-            continue
+            sites = []
         else:
             # built by a builder that several scripts share, or in a file not linted
             # (``train_loader = make_dataloader(...)``, the sampler made two calls away): said where a
@@ -152,6 +152,8 @@ def samplers_without_set_epoch(program) -> list:
                      if site[0] is not module and not any(m is module or m is site[0] or _import_related(m, site[0])
                                                           for m in seeded.get(sampler, set()) | unknown_in) and
                      _loops_over_epochs(site[0])]
+        if not sites and sampler in seeded:
+            sites = _calls_left_unseeded(program, sampler)
         if not sites:
             continue
         if epoch_loop is None:
@@ -168,6 +170,36 @@ def samplers_without_set_epoch(program) -> list:
             test, tested_in = main_only.get(sampler, ("", None))
             out.append(UnseededSampler(site_module, node, name, any(map(here, once.get(sampler, ()))),
                                        test if tested_in is not None and here(tested_in) else ""))
+    return out
+
+
+def _calls_left_unseeded(program, sampler) -> list:
+    """The taking sites of one call of a builder function, in a function that calls the builder
+    twice and reseeds only the other call's sampler (TorchSemiSeg: ``train_sampler.set_epoch(epoch)``,
+    never ``unsupervised_train_sampler``). A sampler is one value per place it is made, so the
+    ``set_epoch`` of one call stands for both; the names each call binds tell them apart."""
+    by_scope: dict = {}
+    for site in _takers(program, sampler):
+        by_scope.setdefault(id(site[3]), []).append(site)
+    out = []
+    for sites in by_scope.values():
+        calls: dict = {}
+        for site in sites:
+            calls.setdefault(id(site[1]), []).append(site)
+        if len(calls) < 2:
+            continue
+        scope = sites[0][3]
+        text = _text(sites[0][0], scope.node) if isinstance(scope, Function) else sites[0][0].text
+        reseeded = {}
+        for key, group in calls.items():
+            names = {site[2].partition(".")[0] for site in group}
+            reseeded[key] = any(re.search(rf"(?<![\w.]){re.escape(n)}(?:\.sampler|\.batch_sampler)?\.set_epoch\(", text)
+                                for n in names)
+        if not any(reseeded.values()):
+            continue
+        for key, group in calls.items():
+            if not reseeded[key] and not any(_EVALUATION.search(site[2]) for site in group):
+                out.append(group[0])
     return out
 
 

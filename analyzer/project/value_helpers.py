@@ -17,7 +17,7 @@ from synccheck.analyzer.project.call_sites import CALL_WORD, _call_lines, _calls
 from synccheck.analyzer.project.definitions import Class, External, Function, Module, ModuleRef, called_name  # noqa: F401
 from synccheck.analyzer.project.scopes import scope_attribute_stores
 from synccheck.analyzer.project.traversal import walk
-from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Cls, Const, Ext, Mod, _cap
+from synccheck.analyzer.project.value_types import ONE_UNKNOWN, Bag, Cls, Const, Ext, Mod, Tup, _cap
 
 if TYPE_CHECKING:
     from synccheck.analyzer.project.values import Values
@@ -50,7 +50,21 @@ _ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mul
 
 
 def _arithmetic(op, left: frozenset, right: frozenset) -> frozenset:
-    """Integer arithmetic on constants we know (``batch_size // MAX_GPU_BATCH_SIZE``), else unknown."""
+    """Integer arithmetic on constants we know (``batch_size // MAX_GPU_BATCH_SIZE``), and lists joined
+    (``create_sampler(...) + [None, None]``: the elements of both), else unknown."""
+    if isinstance(op, ast.Add) and any(isinstance(v, (Tup, Bag)) for v in left) and \
+            any(isinstance(v, (Tup, Bag)) for v in right):
+        joined = set()
+        for a in left:
+            for b in right:
+                if isinstance(a, Tup) and isinstance(b, Tup):
+                    joined.add(Tup(a.items + b.items))
+                elif isinstance(a, (Tup, Bag)) and isinstance(b, (Tup, Bag)) and not getattr(a, "keyed", False) and \
+                        not getattr(b, "keyed", False):
+                    items = [frozenset(x.items) if isinstance(x, Bag) else frozenset().union(*x.items) for x in (a, b)]
+                    joined.add(Bag(_cap(items[0] | items[1]), False))
+        if joined:
+            return _cap(joined)
     fn = _ARITHMETIC.get(type(op))
     out = set()
     for a in left:
