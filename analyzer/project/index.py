@@ -92,12 +92,58 @@ class Project(Resolution):
         self._importers_done.add(key)
         if not self._catalog_imports:
             return []
-        from synccheck.analyzer.imports import module_paths
         targets = {os.path.abspath(module.path)}
+        folder = os.path.dirname(os.path.abspath(module.path))
         if not module.path.endswith("__init__.py"):
-            init = os.path.join(os.path.dirname(os.path.abspath(module.path)), "__init__.py")
+            init = os.path.join(folder, "__init__.py")
             if os.path.exists(init):
                 targets.add(init)
+        chosen = self._chosen_importers(targets, words)
+        if words and len(chosen) > MAX_IMPORTERS:
+            # a name used all over a code base (a library's base class, ``forward``) is not the
+            # model's path into a training loop: parsing every user of it would cost more than the
+            # analysis it feeds
+            self.truncated.add(key)
+            return []
+        if words:
+            # the packages further up that re-export one of the names (``from ddpm_torch import *``
+            # reaches ``ddpm_torch/utils/train.py`` through ``ddpm_torch/__init__.py``), when they
+            # bring only a few more files
+            above = set()
+            folder = os.path.dirname(folder)
+            for _ in range(3):
+                init = os.path.join(folder, "__init__.py")
+                text = self._init_text(init)
+                if text is None:
+                    break
+                if any(w in text for w in words):
+                    above.add(init)
+                folder = os.path.dirname(folder)
+            more = [a for a in self._chosen_importers(above, words) if a not in chosen] if above else []
+            if len(more) <= MAX_REEXPORT_IMPORTERS:
+                chosen += more
+        out = []
+        for apath in chosen:
+            found = self._from_catalog(apath)
+            if found is not None:
+                out.append(found)
+        return out
+
+    def _init_text(self, path: str):
+        """A package's ``__init__.py`` text (None where there is none), read once."""
+        cache = self.__dict__.setdefault("_init_texts", {})
+        if path not in cache:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    cache[path] = f.read(200_000)
+            except OSError:
+                cache[path] = None
+        return cache[path]
+
+    def _chosen_importers(self, targets: set, words: tuple) -> list:
+        """The catalogued files, not parsed yet, that import one of ``targets`` (paths) and mention
+        one of ``words`` (when given)."""
+        from synccheck.analyzer.imports import module_paths
         if self._importer_index is None:
             self._importer_index = self._index_importers()
         by_name, by_path = self._importer_index
@@ -123,18 +169,7 @@ class Project(Resolution):
                 if text is None or not any(w in text for w in words):
                     continue
             chosen.append(apath)
-        if words and len(chosen) > MAX_IMPORTERS:
-            # a name used all over a code base (a library's base class, ``forward``) is not the
-            # model's path into a training loop: parsing every user of it would cost more than the
-            # analysis it feeds
-            self.truncated.add(key)
-            return []
-        out = []
-        for apath in chosen:
-            found = self._from_catalog(apath)
-            if found is not None:
-                out.append(found)
-        return out
+        return chosen
 
     def _index_importers(self) -> tuple:
         """The catalogued files by the dotted names they import (absolute imports) and by the files
@@ -302,3 +337,4 @@ def module_name(path: str) -> tuple:
 
 # at most this many files are parsed to find the callers or subclasses of one name
 MAX_IMPORTERS = 32
+MAX_REEXPORT_IMPORTERS = 8    # more files a re-export further up may bring in
