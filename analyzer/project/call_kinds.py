@@ -44,6 +44,8 @@ def sum_reduced(node, defaults=None) -> bool:
     ``def forward(self, x, reduction="sum")``)."""
     if not isinstance(node, ast.Call):
         return False
+    if isinstance(node.func, ast.Attribute) and _SUMMED_LOSS.search(node.func.attr):
+        return True         # ``loss_obj.get_summed_loss()`` (RETURNN): a loss summed over its frames
     for kw in node.keywords:
         if kw.arg != "reduction":
             continue
@@ -52,6 +54,9 @@ def sum_reduced(node, defaults=None) -> bool:
             value = defaults.get(value.id, value)
         return isinstance(value, ast.Constant) and value.value == "sum"
     return False
+
+
+_SUMMED_LOSS = re.compile(r"^(?:get_)?summed_loss(?:es)?$|^(?:get_)?loss_sum$")
 
 
 def literal_defaults(fn_node) -> dict:

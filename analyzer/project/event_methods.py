@@ -347,7 +347,8 @@ def weighted(loss, factor, factor_node, flow=None, fr=None):
     not such a product (``loss`` is no loss, or the factor is one too, or it may divide by the count).
     With the flow, a factor's own binding is read too (``self.loss_scale = 1.0 / accum``)."""
     is_loss = bool(loss.prov) or loss.scaled is not None
-    if is_loss and not factor.prov and count_of_examples(factor_node):
+    if is_loss and not factor.prov and (count_of_examples(factor_node) or
+                                        flow is not None and _bound_to_a_batch_size(flow, factor_node, fr)):
         # ``F.cross_entropy(logits, y) * y.numel()``: a mean times its count is a sum over the
         # examples (VoiceStar), whose micro-steps add up to the batch's; no 1/N is missing
         return True
@@ -370,6 +371,31 @@ def count_of_examples(node) -> bool:
         return True
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     return bool(_EXAMPLE_COUNT.search(name))
+
+
+def _bound_to_a_batch_size(flow, node, fr) -> bool:
+    """Is the name bound, in this function, only to a tensor's leading size (``bs = tobj.shape[0]``,
+    ``n = x.size(0)``)? yolov5's ``return (lbox + lobj + lcls) * bs``: a mean times the batch size."""
+    scope = fr.scope
+    if not isinstance(node, ast.Name) or not hasattr(scope, "node"):
+        return False
+    bound = flow.values.info(scope).assigns.get(node.id, ())
+    return bool(bound) and all(_leading_size(v) if not path else path == (0,) and _shape_of(v) for v, path in bound)
+
+
+def _shape_of(value) -> bool:
+    """``x.shape``, ``x.shape[:2]``, ``x.size()``: a tensor's sizes from the first (unpacked)."""
+    if isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Slice) and value.slice.lower is None:
+        value = value.value
+    return isinstance(value, ast.Attribute) and value.attr == "shape" or isinstance(value, ast.Call) and \
+        isinstance(value.func, ast.Attribute) and value.func.attr == "size" and not value.args
+
+
+def _leading_size(value) -> bool:
+    if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Attribute) and value.value.attr == "shape":
+        return isinstance(value.slice, ast.Constant) and value.slice.value == 0
+    return isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "size" and \
+        len(value.args) == 1 and isinstance(value.args[0], ast.Constant) and value.args[0].value == 0
 
 
 def _bound_to_a_fraction(flow, node, fr) -> bool:

@@ -321,6 +321,14 @@ class _RankChecker(RankTests):
             if any(isinstance(v, Framework) and v.kind == "accelerate" for v in receiver):
                 return "save_state"
             return None
+        if attr in ("save", "load"):
+            # ``fabric.save(path, state)`` / ``fabric.load(path)``: Fabric ends both with a barrier that
+            # every process must reach (a single-device Fabric has no other process to wait for)
+            receiver = self.values.expr(func.value, scope)
+            fabrics = [v for v in receiver if isinstance(v, Framework) and v.kind == "fabric"]
+            if fabrics and not all(v.single for v in fabrics):
+                return _kind("barrier")
+            return None
         if attr not in vocab.COLLECTIVES and attr not in vocab.FRAMEWORK_COLLECTIVES:
             return None
         receiver = self.values.expr(func.value, scope)

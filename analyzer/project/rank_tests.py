@@ -13,7 +13,8 @@ from typing import Optional
 from synccheck.analyzer.project.index import Function
 
 # (``args.lora_rank``, ``low_rank``: a matrix rank, a hyper-parameter the same on every process)
-RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(?<!lora_)(?<!low_)(?<!adapter_)(?<!svd_)(?<!matrix_)(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
+RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(?<!lora_)(?<!low_)(?<!adapter_)(?<!svd_)(?<!matrix_)(?<!per_)"
+                       r"(?!rank_(?:gradient|batch|update|loss|size|steps?|buffer|samples?)(?![A-Za-z0-9]))(rank|global_rank|local_rank|get_rank|node_rank|process_index|"
                        r"local_process_index|is_main_process|is_local_main_process|master_process|is_master|"
                        r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
                        r"is_main|rank_zero|is_master_process|is_chief|ddp_rank|is_global_main|is_local_main|is_global_master|"

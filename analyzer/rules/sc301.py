@@ -54,6 +54,10 @@ def _has_collective(text: str) -> bool:
     return any(w in text for w in _METHOD_COLLECTIVES)
 
 
+# ``fabric.save(path, state)`` / ``fabric.load(path)``: each ends in ``self.barrier()`` (Lightning Fabric)
+_FABRIC_CHECKPOINT = re.compile(r"\bfabric\.(?:save|load)\(")
+
+
 DEFINED = re.compile(r"^([ \t]*)(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
 CALLED = re.compile(r"(?<![\w.])(?:self\.|cls\.)?(\w+)\s*\(")
 
@@ -348,7 +352,7 @@ class CollectiveInRankBranch(Rule):
         # substring tests first: the regexes are slow over a large file
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
                 and (_has_collective(text) or "FULL_STATE_DICT" in text or "summon_full_params" in text or
-                     (".save_state(" in text and "accelerat" in text))):
+                     (".save_state(" in text and "accelerat" in text) or _FABRIC_CHECKPOINT.search(text) is not None)):
             return False
         # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line; a
         # function only rank 0 runs (``@rank_zero_only``, ``@accelerator.on_main_process``) has none
