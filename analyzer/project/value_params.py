@@ -76,6 +76,17 @@ class ParameterValues:
     def parameter(self, fn: Function, name: str) -> frozenset:
         return self._memoized(("param", fn.uid, name), lambda: self._parameter(fn, name))
 
+    def _runs_this_body(self, klass, fn: Function) -> bool:
+        """Does an instance of ``klass`` run ``fn`` when its method of that name is called: ``fn`` is what
+        the name resolves to on ``klass``, or the override reaches it through ``super()``?"""
+        if klass is fn.cls or fn.node.name.startswith("__"):
+            return True
+        found = self.project.attribute(klass, fn.node.name)
+        if found is fn or not isinstance(found, Function):
+            return True
+        text = found.module.segment(found.node) or ""
+        return "super(" in text and f".{fn.node.name}(" in text
+
     def _param_depth(self) -> int:
         return sum(1 for k in self._busy if k[0] == "param")
 
@@ -86,6 +97,11 @@ class ParameterValues:
             if any(called_name(d) == "classmethod" for d in node.decorator_list):
                 return frozenset(Cls(k) for k in self.project.subclasses(fn.cls))
             concrete = self._concrete(self.project.subclasses(fn.cls))
+            # (a subclass that overrides this very method never runs this body, unless its override
+            # calls it through super(): ``BaseTrainer.train`` is not what a ``NafsTrainer`` runs, so the
+            # ``self.train_loop(...)`` it calls is never NafsTrainer's, whose parameters differ)
+            running = [k for k in concrete if self._runs_this_body(k, fn)]
+            concrete = running or concrete
             if 1 < len(concrete) <= MAX_MADE_CLASSES and fn.node.name not in ("__init__", "__call__"):
                 # ``TrainerBase.train`` where only ``AccumTrainer(...)`` is ever built: a class nobody
                 # builds (``SimpleTrainer``, whose ``run_step`` steps every time) runs no method here.
