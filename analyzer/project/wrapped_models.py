@@ -190,8 +190,9 @@ class WrappedModels:
                         # (``model.module.parameters()`` too: the wrapper's parameters)
                         owners = self.values.expr(owner, scope)
                         # (a model a sibling script shards in place is not the one averaged here)
+                        here = self.values.module_of(scope)
                         out |= {w for w in self.wrappers(owners) | self.models_of(owners)
-                                if not _in_place_elsewhere(self.project, w, self.values.module_of(scope))}
+                                if not _in_place_elsewhere(self.project, w, here) and _same_script(self.project, w, here)}
             self._managed = frozenset(out)
         return self._managed
 
@@ -329,3 +330,15 @@ def _reaches(project, start, goal, depth: int = 4) -> bool:
                     nxt.append(found)
         frontier = nxt
     return False
+
+
+def _same_script(project, wrapper, module) -> bool:
+    """Is ``wrapper`` made in ``module``, or in a module it imports or that imports it? A sibling script
+    that averages its own model by hand (StructuredLM's ``ddp_trainer_nosync.py``) says nothing of
+    another script's model built by the same factory."""
+    path = wrapper.site[0] if getattr(wrapper, "site", None) else None
+    made_in = next((m for m in project.modules() if m.path == path), None) if path else None
+    if made_in is None or made_in is module:
+        return True
+    from synccheck.analyzer.project.sampler_loops import _import_related
+    return _import_related(made_in, module)
