@@ -108,6 +108,29 @@ def _spread_dict(flow, node, fr) -> list:
             if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, (ast.Name, ast.Attribute))]
 
 
+def _project_optimizer_class(flow, recv: EnvVal, attr: str) -> EnvVal:
+    """``optimizer.backward(loss)`` on a project class that derives from ``torch.optim.Optimizer`` and
+    defines the method itself (llm-pytorch's ``GradientAccumulationOptimizer``, whose ``backward`` runs
+    under ``model.no_sync()``): the class's own method is what runs, so the value is that instance."""
+    if attr in ("step", "zero_grad"):
+        return recv
+    from synccheck.analyzer.project.value_frameworks import call_at
+    swapped = {}
+    for v in recv.values:
+        if not isinstance(v, Optim) or v.managed:
+            continue
+        call = call_at(flow.project, v.site)
+        held = flow.values.sites.get(v.site)
+        if call is None or held is None:
+            continue
+        for c in flow.values.expr(call.func, held[1]):
+            if isinstance(c, Cls) and isinstance(flow.project.attribute(c.cls, attr), Function):
+                swapped[v] = Inst(c.cls)
+    if not swapped:
+        return recv
+    return recv._replace(alts=tuple((g, frozenset(swapped.get(v, v) for v in vals)) for g, vals in recv.alts))
+
+
 FROZEN = "#frozen"        # the env's entry for the wrappers frozen here (``requires_grad_(False)``)
 
 
@@ -154,6 +177,8 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
             loss = forward(flow, node, models, args, kws, st, fr)
             backward(flow, node, loss._replace(scaled=True), "loss.backward", st, fr)
             return _val(ONE_UNKNOWN)
+    if recv is not None and any(isinstance(v, Optim) for v in recv.values):
+        recv = _project_optimizer_class(flow, recv, func.attr)
     if recv is not None:
         handled = _method(flow, node, func.attr, recv, args, kws, st, fr)
         if handled is not None:
