@@ -251,10 +251,15 @@ def _rank_branch_calls_imported(text: str) -> bool:
     """Some rank branch calls a function imported from a module of the project, which may run a
     collective in its own file: the file is worth a parse with its imports."""
     imported = set()
-    for dots, module, names in line_matches(_FROM_IMPORT, text, "from"):
+    found = line_matches(_FROM_IMPORT, text, "from")
+    if "import (" in text or "import(" in text:
+        # ``from ludic.training import (\n    Trainer,\n    ...)``: the names on the lines that follow
+        found = found + _PARENTHESIZED_IMPORT.findall(text)
+    for dots, module, names in found:
         if not dots and module.split(".")[0] in _EXTERNAL:
             continue
-        imported.update(n.split(" as ")[-1].strip() for n in names.split(","))
+        imported.update(n.split(" as ")[-1].split("#")[0].strip() for n in names.replace("\n", ",").split(","))
+    imported.discard("")
     for module, alias in line_matches(_IMPORT, text, "import"):
         # ``import backends`` (``utils.dist``: ``import utils.dist as du``)
         if module.split(".")[0] not in _EXTERNAL and module.split(".")[0] not in sys.stdlib_module_names:
@@ -278,6 +283,7 @@ def _rank_branch_calls_imported(text: str) -> bool:
     return bool(called) and not (imported | made).isdisjoint(local.called_through(called))
 
 
+_PARENTHESIZED_IMPORT = re.compile(r"^[ \t]*from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]*\(([^)]*)\)", re.M)
 _MADE_FROM = re.compile(r"^[ \t]*((?:self\.)?\w+)[ \t]*=[ \t]*(\w+)(?:\.\w+)?\(", re.M)
 SELF_ATTRIBUTE_CALLED = re.compile(r"(?<![\w.])(self\.\w+)\.\w+\s*\(")
 _DECORATOR_NAME = re.compile(r"^[ \t]*@(\w+)", re.M)
