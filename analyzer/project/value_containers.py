@@ -51,12 +51,16 @@ class ContainerValues:
             items |= self.elements(self.expr(node, scope), values_of_dict=True)
         if keyed:
             # a store under a key the literal has, or a new one, is that entry's: writing
-            # ``config["num_epochs"]`` leaves ``config["batch_size"]`` what the literal says
+            # ``config["num_epochs"]`` leaves ``config["batch_size"]`` what the literal says. So does a
+            # dict that starts empty and is filled only by keys (``train_args = {}``, then
+            # ``train_args["optimizer"] = optimizer``, ``train_args["lr_scheduler"] = scheduler``)
+            named = bool(fields) or (is_dict and not items and not added and not spread and
+                                     all(isinstance(key, str) for key, _ in keyed))
             entries = dict(fields)
             for key, node in keyed:
                 vals = self.expr(node, scope)
                 items |= vals
-                if fields:
+                if named:
                     entries[key] = _cap(entries.get(key, frozenset()) | vals)
             fields = tuple(entries.items())
         return rest | {Bag(_cap(items), is_dict, fields)}
