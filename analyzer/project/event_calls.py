@@ -79,7 +79,7 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             st.props = joined.props if joined is not None else {}
             return result
     result = _call_on(flow, node, func, recv, args, kws, st, fr)
-    if sum_reduced(node) or sum_criterion(flow, func, fr.scope):
+    if sum_reduced(node, _reductions_here(node, st, fr)) or sum_criterion(flow, func, fr.scope):
         # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
         # to the whole batch's sum; no 1/N is missing from it (SC202)
         result = result._replace(scaled=True)
@@ -106,6 +106,25 @@ def _spread_dict(flow, node, fr) -> list:
         return []
     return [(k.value, v) for k, v in zip(node.keys, node.values)
             if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, (ast.Name, ast.Attribute))]
+
+
+def _reductions_here(node: ast.Call, st, fr) -> Optional[dict]:
+    """``reduction=reduction``: the string the name holds here (a constant the caller handed in, or
+    the enclosing function's literal default, ``def forward(..., reduction="sum")``), for sum_reduced."""
+    kw = next((k for k in node.keywords if k.arg == "reduction"), None)
+    if kw is None or not isinstance(kw.value, ast.Name):
+        return None
+    known = st.env.get(kw.value.id)
+    if known is not None:
+        vals = known.values
+        if len(vals) == 1:
+            (v,) = tuple(vals)
+            if isinstance(v, Const) and isinstance(v.value, str):
+                return {kw.value.id: ast.Constant(v.value)}
+    if isinstance(fr.scope, Function):
+        from synccheck.analyzer.project.call_kinds import literal_defaults
+        return literal_defaults(fr.scope.node)
+    return None
 
 
 def _project_optimizer_class(flow, recv: EnvVal, attr: str) -> EnvVal:

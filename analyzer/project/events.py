@@ -207,7 +207,7 @@ def expr(flow, node, st, fr) -> EnvVal:
     if t in (ast.Tuple, ast.List):
         items = [expr(flow, e, st, fr) for e in node.elts]
         # ``return loss, info``: the tuple is as divided as the losses in it (what unpacking reads)
-        return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items), _losses_scaled(items))
+        return _val(frozenset((Tup(tuple(i.values for i in items)),)), _prov(*items), _losses_scaled(items, node.elts))
     if t is ast.Subscript:
         chosen = _by_truth(flow, node, fr)
         if chosen is not None:
@@ -349,10 +349,15 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
                 container = container.value
 
 
-def _losses_scaled(parts) -> Optional[bool]:
+def _losses_scaled(parts, nodes=()) -> Optional[bool]:
     """How divided the losses among ``parts`` (those a forward made; in plain PyTorch, those known
     fresh or divided) are, when they agree; else None."""
-    losses = {p.scaled for p in parts if p.prov} or {p.scaled for p in parts if p.scaled is not None}
+    losses = {p.scaled for p in parts if p.prov}
+    if not losses and nodes:
+        # plain PyTorch (no wrapper to come from): the entries named for a loss (``return total_loss,
+        # total_kl``), known fresh or divided
+        losses = {p.scaled for p, n in zip(parts, nodes) if p.scaled is not None and
+                  isinstance(n, (ast.Name, ast.Attribute)) and "loss" in ast.unparse(n).lower()}
     return losses.pop() if len(losses) == 1 else None
 
 
