@@ -20,7 +20,7 @@ from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _HOUSEKEEPIN
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.gradient_cache import _is_no_grad
 from synccheck.analyzer.project.guards import TRUE
-from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.state import FROZEN, EnvVal
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
                                                Optim, Super, Unknown, Wrapper, site_of)
@@ -79,7 +79,7 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
             st.props = joined.props if joined is not None else {}
             return result
     result = _call_on(flow, node, func, recv, args, kws, st, fr)
-    if sum_reduced(node, _reductions_here(node, st, fr)) or sum_criterion(flow, func, fr.scope):
+    if sum_reduced(node, _reductions_here(node, fr)) or sum_criterion(flow, func, fr.scope):
         # ``F.cross_entropy(..., reduction="sum")``: a sum over the examples, whose micro-steps add up
         # to the whole batch's sum; no 1/N is missing from it (SC202)
         result = result._replace(scaled=True)
@@ -108,23 +108,15 @@ def _spread_dict(flow, node, fr) -> list:
             if isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, (ast.Name, ast.Attribute))]
 
 
-def _reductions_here(node: ast.Call, st, fr) -> Optional[dict]:
-    """``reduction=reduction``: the string the name holds here (a constant the caller handed in, or
-    the enclosing function's literal default, ``def forward(..., reduction="sum")``), for sum_reduced."""
+def _reductions_here(node: ast.Call, fr) -> Optional[dict]:
+    """``reduction=reduction``: the enclosing function's literal defaults (``def forward(...,
+    reduction="sum")``), for sum_reduced. (What a caller hands in is not read: the flow keeps no
+    string constants.)"""
     kw = next((k for k in node.keywords if k.arg == "reduction"), None)
-    if kw is None or not isinstance(kw.value, ast.Name):
+    if kw is None or not isinstance(kw.value, ast.Name) or not isinstance(fr.scope, Function):
         return None
-    known = st.env.get(kw.value.id)
-    if known is not None:
-        vals = known.values
-        if len(vals) == 1:
-            (v,) = tuple(vals)
-            if isinstance(v, Const) and isinstance(v.value, str):
-                return {kw.value.id: ast.Constant(v.value)}
-    if isinstance(fr.scope, Function):
-        from synccheck.analyzer.project.call_kinds import literal_defaults
-        return literal_defaults(fr.scope.node)
-    return None
+    from synccheck.analyzer.project.call_kinds import literal_defaults
+    return literal_defaults(fr.scope.node)
 
 
 def _project_optimizer_class(flow, recv: EnvVal, attr: str) -> EnvVal:
@@ -148,9 +140,6 @@ def _project_optimizer_class(flow, recv: EnvVal, attr: str) -> EnvVal:
     if not swapped:
         return recv
     return recv._replace(alts=tuple((g, frozenset(swapped.get(v, v) for v in vals)) for g, vals in recv.alts))
-
-
-FROZEN = "#frozen"        # the env's entry for the wrappers frozen here (``requires_grad_(False)``)
 
 
 def _freeze(flow, receiver, recv: EnvVal, node: ast.Call, st, fr) -> None:

@@ -135,20 +135,10 @@ def expr(flow, node, st, fr) -> EnvVal:
                 product = weighted(right, left, node.left, flow, fr)
         if product is not _UNWEIGHTED:
             scaled = product
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _WORLD_SIZE.search(ast.unparse(node.right)):
-            # ``loss / world_size``: an average over the ranks (which DDP's all-reduce already does),
-            # not over the micro-steps
-            scaled = left.scaled
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and _per_batch(node.right) and \
-                not _MEASURED.search(ast.unparse(node.left)):
-            # (``loss * x.shape[0] / inputs.shape[0]``: a chunk's share of the batch, open_lm's 1/N)
-            # ``loss / (args.train_batch_size / input_ids.shape[0])``: a rescale for a short batch, or a
-            # sum made a mean over the batch; the micro-steps' count is not in it (DialoGPT)
-            scaled = left.scaled
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and mean_over(
-                node.left, node.right, node, fr.scope.node if isinstance(fr.scope, Function) else None):
-            # ``sum(losses) / len(losses)``, ``total / len(turns)`` after a loop adding a loss per
-            # turn: a mean over what one micro-step holds, not over the micro-steps
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and \
+                not_the_count(node, fr.scope.node if isinstance(fr.scope, Function) else None):
+            # by the world size, a measured micro-batch, or a mean over what one micro-step holds:
+            # divided by something other than the micro-steps (not_the_count)
             scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right):
             # ``loss / accum_steps`` where ``accum_steps`` is a parameter left at its default of 1 by
@@ -466,12 +456,17 @@ from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, 
 
 
 def not_the_count(node: ast.BinOp, fn_node) -> bool:
-    """Is this division, by its own text, never the accumulation's 1/N: by the world size, by this
-    micro-batch's own measured size or tokens, or a mean over what one micro-step holds? (What a
-    function's returns are read for where its body is not walked.)"""
-    right = ast.unparse(node.right)
-    return bool(_WORLD_SIZE.search(right)) or _per_batch(node.right) and not _MEASURED.search(ast.unparse(node.left)) \
-        or mean_over(node.left, node.right, node, fn_node)
+    """Is this division, by its own text, never the accumulation's 1/N? Read the same in a walked body
+    (expr) and in a function read from its returns (program._scaled_walk):
+    - ``loss / world_size``: an average over the ranks, which DDP's all-reduce already does;
+    - ``loss / (args.train_batch_size / input_ids.shape[0])``: a rescale for a short batch, or a sum
+      made a mean over the batch (DialoGPT); but not ``loss * x.shape[0] / inputs.shape[0]``, a
+      chunk's share of the batch (open_lm's 1/N);
+    - ``sum(losses) / len(losses)``, ``total / len(turns)`` after a loop adding a loss per turn: a
+      mean over what one micro-step holds."""
+    return bool(_WORLD_SIZE.search(ast.unparse(node.right))) or \
+        _per_batch(node.right) and not _MEASURED.search(ast.unparse(node.left)) or \
+        mean_over(node.left, node.right, node, fn_node)
 
 
 def mean_over(numerator, divisor, at, fn_node) -> bool:

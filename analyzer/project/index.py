@@ -131,13 +131,10 @@ class Project(Resolution):
 
     def _init_text(self, path: str):
         """A package's ``__init__.py`` text (None where there is none), read once."""
+        from synccheck.analyzer.imports import _read
         cache = self.__dict__.setdefault("_init_texts", {})
         if path not in cache:
-            try:
-                with open(path, encoding="utf-8", errors="replace") as f:
-                    cache[path] = f.read(200_000)
-            except OSError:
-                cache[path] = None
+            cache[path] = _read(path)
         return cache[path]
 
     def _chosen_importers(self, targets: set, words: tuple) -> list:

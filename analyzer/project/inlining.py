@@ -12,7 +12,7 @@ import ast
 from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function, called_name
-from synccheck.analyzer.project.state import EnvVal
+from synccheck.analyzer.project.state import FROZEN, EnvVal
 from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.value_helpers import _class_attrs
 from synccheck.analyzer.project.values import Bound, Cls, Func, Inner, Inst, Obj, parameter_default
@@ -32,8 +32,8 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     if yield_handler is None and not carries and not _worth_inlining(flow, fn, receiver, args, kws):
         return None
     env = dict(seed or {})
-    if "#frozen" in st.env:
-        env["#frozen"] = st.env["#frozen"]      # (the wrappers frozen for this phase stay frozen in a helper)
+    if FROZEN in st.env:
+        env[FROZEN] = st.env[FROZEN]        # (the wrappers frozen for this phase stay frozen in a helper)
     params = list(fn.params)
     positional = list(args)
     if receiver is not None and fn.is_method and params:

@@ -14,7 +14,7 @@ import re
 from typing import Optional
 
 from synccheck.analyzer.project import vocabulary as vocab
-from synccheck.analyzer.project.state import PLAIN, EnvVal, Forward, Token, sync_state, with_flag
+from synccheck.analyzer.project.state import FROZEN, PLAIN, EnvVal, Forward, Token, sync_state, with_flag
 from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Inner, Obj, Optim, Wrapper, site_of
 
@@ -33,7 +33,7 @@ def _each(st, fn) -> None:
 
 
 def forward(flow, node, models: frozenset, args, kws, st, fr) -> EnvVal:
-    frozen = st.env.get("#frozen")        # (event_calls.FROZEN: frozen for this phase, no gradient)
+    frozen = st.env.get(FROZEN)        # frozen for this phase: no gradient
     if frozen is not None:
         models = models - frozen.values
         if not models:

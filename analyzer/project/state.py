@@ -29,6 +29,11 @@ from synccheck.analyzer.parse import dotted as _dotted
 PLAIN = "<plain>"      # the model key of a backward through no data-parallel wrapper
 
 
+# the env's entry for the wrappers frozen for a phase (``ddp_g.requires_grad_(False)``): event_calls
+# writes it, micro_step's forward reads it, inlining hands it to a helper
+FROZEN = "#frozen"
+
+
 class Control(NamedTuple):
     models: frozenset         # wrapper keys it names; empty: it may name any
     effect: str               # off | managed | unknown

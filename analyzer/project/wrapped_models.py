@@ -336,8 +336,7 @@ def _same_script(project, wrapper, module) -> bool:
     """Is ``wrapper`` made in ``module``, or in a module it imports or that imports it? A sibling script
     that averages its own model by hand (StructuredLM's ``ddp_trainer_nosync.py``) says nothing of
     another script's model built by the same factory."""
-    path = wrapper.site[0] if getattr(wrapper, "site", None) else None
-    made_in = next((m for m in project.modules() if m.path == path), None) if path else None
+    made_in = project.module_at(wrapper.site[0]) if getattr(wrapper, "site", None) else None
     if made_in is None or made_in is module:
         return True
     from synccheck.analyzer.project.sampler_loops import _import_related
