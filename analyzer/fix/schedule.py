@@ -210,8 +210,7 @@ def wrap_call(flow, wrapper) -> tuple:
     module = project.by_path.get(path) or next((m for m in project.modules() if m.path == path), None)
     if module is None or getattr(module, "tree", None) is None:
         return None, None
-    call = next((n for n in walk(module.tree) if isinstance(n, ast.Call) and n.lineno == line
-                 and n.col_offset == col), None)
+    call = module.call_at(line, col)
     return (module, call) if call is not None else (None, None)
 
 

@@ -13,7 +13,7 @@ import zlib
 from typing import Optional
 
 from synccheck.analyzer.project.scopes import _names as _target_names
-from synccheck.analyzer.project.traversal import walk_no_defs
+from synccheck.analyzer.project.traversal import walk, walk_no_defs
 
 FUNCTION_TYPES = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -158,6 +158,17 @@ class Module:
         """The top level's statements, not the functions and classes it defines: what running the
         file as a script executes."""
         return [s for s in self.tree.body if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+
+    def call_at(self, line: int, col: int) -> Optional[ast.Call]:
+        """The call that starts at ``line``, ``col`` (a value's site), the outermost where calls share
+        a start (``make(cfg)(model)``). The module's calls are indexed by position once."""
+        calls = self.derived.get("calls by position")
+        if calls is None:
+            calls = self.derived["calls by position"] = {}
+            for node in walk(self.tree):        # breadth first: an outer call before the calls it holds
+                if isinstance(node, ast.Call):
+                    calls.setdefault((node.lineno, node.col_offset), node)
+        return calls.get((line, col))
 
     def segment(self, node) -> str:
         """The source text of a node (ast.get_source_segment splits the whole file at every call)."""

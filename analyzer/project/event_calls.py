@@ -607,15 +607,10 @@ def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
     if not isinstance(scope, Function) or "DistributedDataParallel" not in fr.module.text and "DDP" not in fr.module.text:
         return None
     name = node.func.id
-    assigns = flow.values.info(scope).assigns
-    for target, bound in assigns.items():
-        if target == name:
-            continue
-        for value, path in bound:
-            if path or not isinstance(value, ast.Call) or not value.args or \
-                    not (isinstance(value.args[0], ast.Name) and value.args[0].id == name) or \
-                    not (value.lineno < node.lineno <= (scope.node.end_lineno or node.lineno)):
-                continue
+    info = flow.values.info(scope)
+    assigns = info.assigns
+    for target, value in _calls_on_a_name(info).get(name, ()):
+        if target != name and value.lineno < node.lineno <= (scope.node.end_lineno or node.lineno):
             wrappers = frozenset(w for w in flow.values.expr(value, scope) if isinstance(w, Wrapper) and w.kind == "ddp")
             if not wrappers:
                 continue
@@ -624,6 +619,19 @@ def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
                 return None
             return wrappers
     return None
+
+
+def _calls_on_a_name(info) -> dict:
+    """``name -> [(target, call)]`` for each ``target = f(name, ...)`` of a scope, in the order of its
+    assignments; read once per scope."""
+    found = info.first_args
+    if found is None:
+        found = info.first_args = {}
+        for target, bound in info.assigns.items():
+            for value, path in bound:
+                if not path and isinstance(value, ast.Call) and value.args and isinstance(value.args[0], ast.Name):
+                    found.setdefault(value.args[0].id, []).append((target, value))
+    return found
 
 
 from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, SyncSetter,

@@ -19,7 +19,7 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
                  "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores", "imports",
-                 "imports_more", "annotated")
+                 "imports_more", "annotated", "first_args")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -41,6 +41,7 @@ class ScopeInfo:
         self.imports: dict = {}          # name -> (module, attribute or None, level): imports in the body
         self.imports_more: dict = {}     # name -> the other imports of it (one per branch of a dispatch)
         self.annotated: dict = {}        # name -> the annotation of ``name: T = value``
+        self.first_args = None           # name -> [(target, call)] for ``target = f(name, ...)`` (on demand)
 
     def reaching(self, name: str, line: int) -> Optional[tuple]:
         """Which of ``assigns[name]`` can reach a use of the name on ``line``: (their indexes, whether

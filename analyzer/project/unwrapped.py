@@ -191,7 +191,7 @@ def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:
         if not isinstance(inner, Obj) or not site or len(site) < 3 or not isinstance(site[1], int):
             continue
         module = program.project.module_at(site[0])
-        made = _call_at(module, site[1], site[2]) if module is not None else None
+        made = module.call_at(site[1], site[2]) if module is not None else None
         if made is None or not made.args:
             continue
         if isinstance(target, ast.Name) and not (module is scope.module and
@@ -201,13 +201,6 @@ def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:
             if any(isinstance(n, ast.Attribute) and (ast.unparse(n) == text or ast.unparse(n.value) == text)
                    for n in walk(arg)):
                 return sorted(wrappers, key=repr)[0]
-    return None
-
-
-def _call_at(module, line: int, col: int) -> Optional[ast.Call]:
-    for node in walk(module.tree):
-        if isinstance(node, ast.Call) and node.lineno == line and node.col_offset == col:
-            return node
     return None
 
 
