@@ -24,6 +24,17 @@ from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Co
 
 _LITERAL_SEQUENCES = (ast.List, ast.Tuple, ast.ListComp)
 _NO_MODEL = "no model: a list"      # what a control names when it names no wrapper (an empty set names any)
+
+
+def _a_sequence(flow, node, fr) -> bool:
+    """Is ``node`` a list or tuple: written out, or a name bound only to lists and tuples in its scope
+    (``models_to_accumulate = [transformer]``, then ``.extend([text_encoder])``)?"""
+    if isinstance(node, _LITERAL_SEQUENCES):
+        return True
+    if not isinstance(node, ast.Name) or fr.scope is None:
+        return False
+    bound = flow.values.info(fr.scope).assigns.get(node.id, ())
+    return bool(bound) and all(not path and isinstance(value, _LITERAL_SEQUENCES) for value, path in bound)
 _RUNS_FIRST_ARG = frozenset(("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                              "deepspeed.checkpointing.checkpoint", "torch.func.functional_call"))
 
@@ -213,7 +224,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         # ``accelerator.accumulate([model, loss_module])``: a list is no model; accelerate's
         # ``no_sync(list)`` falls back to a nullcontext, so nothing it holds skips the all-reduce
         # (accumulate still moves accelerate's step counter: a prepared optimizer steps at the boundary)
-        named = [(n, a) for n, a in named if not isinstance(n, _LITERAL_SEQUENCES)]
+        # (``models_to_accumulate = [transformer]`` passed by its name, diffusers' LoRA scripts, is the same)
+        named = [(n, a) for n, a in named if not _a_sequence(flow, n, fr)]
         if args and not named:
             models = frozenset((_NO_MODEL,))
         for _, a in named:

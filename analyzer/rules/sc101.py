@@ -12,6 +12,10 @@ FIX_FABRIC = ("run the forward and backward of every micro-step but the last ins
 FIX_PREPARED = ("name {name} in the accumulate context too: `accelerator.accumulate(...)` takes several models "
                 "(`accelerator.accumulate(generator, discriminator)`)")
 
+# ``accelerator.accumulate([model, loss_module])``: one list, which has no no_sync() of its own
+FIX_LIST = ("pass the models themselves, not a list: accelerate calls no_sync() on each argument, finds none on "
+            "a list and falls back to a nullcontext (`accelerator.accumulate({args})`)")
+
 
 class SyncEveryMicrostep(Rule):
     code = "SC101"
@@ -194,21 +198,47 @@ class SyncEveryMicrostep(Rule):
                 else:
                     msg = (f"{name} {noun} gradients on every micro-step of this accumulation loop, though "
                            f"the optimizer steps only every few: N-1 of every N {noun} are wasted")
-                if getattr(model, "kind", "") == "accelerate" and _inside_accumulate(module, node):
-                    ctx.report(self, module, node, msg, FIX_PREPARED.format(name=name),
-                               autofix=lambda: {"reason": "which accumulate() context to widen is for you to decide"})
+                accumulate = _inside_accumulate(module, node) if getattr(model, "kind", "") == "accelerate" else None
+                if accumulate is not None:
+                    given = _given_a_list(ctx.program, module, accumulate)
+                    fix = FIX_LIST.format(args=given) if given else FIX_PREPARED.format(name=name)
+                    reason = "unpacking the list is left to you" if given else \
+                        "which accumulate() context to widen is for you to decide"
+                    ctx.report(self, module, node, msg, fix, autofix=lambda reason=reason: {"reason": reason})
                     continue
                 ctx.report(self, module, node, msg, FIX_FABRIC if getattr(model, "kind", "") == "fabric" else FIX,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))
 
 
-def _inside_accumulate(module, node) -> bool:
-    """Is the reported line inside a ``with accelerator.accumulate(...):`` (that does not name the model)?"""
+def _inside_accumulate(module, node):
+    """The ``accelerator.accumulate(...)`` call (that does not name the model) of the ``with`` the
+    reported line is in; None if it is in none."""
     if module is None or node is None:
-        return False
+        return None
     for w in ast.walk(module.tree):
-        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno) and any(
-                isinstance(i.context_expr, ast.Call) and isinstance(i.context_expr.func, ast.Attribute) and
-                i.context_expr.func.attr == "accumulate" for i in w.items):
-            return True
-    return False
+        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno):
+            for i in w.items:
+                if isinstance(i.context_expr, ast.Call) and isinstance(i.context_expr.func, ast.Attribute) and \
+                        i.context_expr.func.attr == "accumulate":
+                    return i.context_expr
+    return None
+
+
+def _given_a_list(program, module, call) -> str:
+    """The text of the one argument of ``accumulate(models)`` when it is a list or tuple (written out,
+    or a name its function binds only to lists): accelerate takes the models one by one."""
+    from synccheck.analyzer.project.definitions import enclosing_function
+
+    if len(call.args) != 1 or call.keywords:
+        return ""
+    arg = call.args[0]
+    if isinstance(arg, (ast.List, ast.Tuple)):
+        return ", ".join(ast.unparse(e) for e in arg.elts)
+    if isinstance(arg, ast.ListComp):
+        return f"*{ast.unparse(arg)}"
+    if isinstance(arg, ast.Name):
+        scope = enclosing_function(module, call) or module
+        bound = program.values.info(scope).assigns.get(arg.id, ())
+        if bound and all(not path and isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) for v, path in bound):
+            return f"*{arg.id}"
+    return ""
