@@ -161,9 +161,9 @@ HELPERS_CALLED_FROM_SCRIPTS = {
     "utils/train_utils.py": """
         def train_one_epoch(config, accelerator, model, loss_module, optimizer, loader):
             for batch in loader:
-                with accelerator.accumulate([model, loss_module]):
+                with accelerator.accumulate([model, loss_module]):  # SC104
                     loss = loss_module(model(batch))
-                    accelerator.backward(loss)  # SC101
+                    accelerator.backward(loss)
                     optimizer.step()
                     optimizer.zero_grad()
     """,

@@ -17,24 +17,12 @@ from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.state import EnvVal
-from synccheck.analyzer.project.value_helpers import _class_attrs
+from synccheck.analyzer.project.value_helpers import _class_attrs, a_sequence
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Const, Ext, Framework, Inner, Inst, Obj,
                                                Optim, Scaler, Unknown, Wrapper, site_of)
 
 
-_LITERAL_SEQUENCES = (ast.List, ast.Tuple, ast.ListComp)
 _NO_MODEL = "no model: a list"      # what a control names when it names no wrapper (an empty set names any)
-
-
-def _a_sequence(flow, node, fr) -> bool:
-    """Is ``node`` a list or tuple: written out, or a name bound only to lists and tuples in its scope
-    (``models_to_accumulate = [transformer]``, then ``.extend([text_encoder])``)?"""
-    if isinstance(node, _LITERAL_SEQUENCES):
-        return True
-    if not isinstance(node, ast.Name) or fr.scope is None:
-        return False
-    bound = flow.values.info(fr.scope).assigns.get(node.id, ())
-    return bool(bound) and all(not path and isinstance(value, _LITERAL_SEQUENCES) for value, path in bound)
 _RUNS_FIRST_ARG = frozenset(("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                              "deepspeed.checkpointing.checkpoint", "torch.func.functional_call"))
 
@@ -225,7 +213,7 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         # ``no_sync(list)`` falls back to a nullcontext, so nothing it holds skips the all-reduce
         # (accumulate still moves accelerate's step counter: a prepared optimizer steps at the boundary)
         # (``models_to_accumulate = [transformer]`` passed by its name, diffusers' LoRA scripts, is the same)
-        named = [(n, a) for n, a in named if not _a_sequence(flow, n, fr)]
+        named = [(n, a) for n, a in named if not a_sequence(flow.values, fr.scope, n)]
         if args and not named:
             models = frozenset((_NO_MODEL,))
         for _, a in named:

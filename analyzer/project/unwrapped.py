@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import enclosing_function
 from synccheck.analyzer.project.traversal import walk
-from synccheck.analyzer.project.value_helpers import views_of_the_inner_module
+from synccheck.analyzer.project.value_helpers import a_sequence, views_of_the_inner_module
 from synccheck.analyzer.project.values import Framework, Inner, Inst, Obj, Unknown, Wrapper
 
 
@@ -64,6 +64,12 @@ def no_sync_on_unwrapped(program) -> list:
             if not any(isinstance(v, Framework) for v in receiver):
                 continue
             target_node = call.args[0]
+            if call.func.attr == "accumulate" and len(call.args) == 1 and a_sequence(values, scope, target_node) and \
+                    not all(v.accumulates == "no" for v in receiver if isinstance(v, Framework)) and \
+                    not _under_deepspeed(program, receiver, values.expr(target_node, scope)):
+                # ``accelerator.accumulate([model, loss_module])``: accelerate calls no_sync() on the list
+                out.append(Unwrapped(module, call, _text(module, call), ast.unparse(target_node), "list"))
+                continue
         else:
             target_node = call.func.value
         if _tested_for_a_wrapper(scope, call, target_node):
@@ -173,6 +179,27 @@ def _unwrapped_alias(values, scope, target) -> bool:
         else:
             return False
     return True
+
+
+def _under_deepspeed(program, receiver, named) -> bool:
+    """Does the accelerator run DeepSpeed, whose engine reduces the gradients at its own boundary
+    (accelerate's no_sync does nothing there)? Its models are DeepSpeed engines, or the function that
+    builds it reads the DeepSpeed plugin, or every launch configuration the project ships is
+    DeepSpeed's."""
+    from synccheck.analyzer.project.value_frameworks import launched_with_deepspeed, reads_the_plugin
+
+    if any(w.kind == "deepspeed" for w in program.wrappers(named)):
+        return True
+    for framework in receiver:
+        site = getattr(framework, "site", None) if isinstance(framework, Framework) else None
+        module = program.project.module_at(site[0]) if site and len(site) >= 3 else None
+        made = module.call_at(site[1], site[2]) if module is not None and isinstance(site[1], int) else None
+        if made is None:
+            continue
+        scope = enclosing_function(module, made)
+        if reads_the_plugin(scope) or launched_with_deepspeed(scope or module):
+            return True
+    return False
 
 
 def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:

@@ -250,3 +250,15 @@ def views_of_the_inner_module(a, b) -> bool:
             node = node.value
         return None
     return is_module_of(a, b) or is_module_of(b, a) or (inside(a) is not None and inside(a) == inside(b))
+
+
+def a_sequence(values, scope, node) -> bool:
+    """Is ``node`` a list or tuple: written out, or a name bound only to lists and tuples in its scope
+    (``models_to_accumulate = [transformer]``, then ``.extend([text_encoder])``)?"""
+    if isinstance(node, (ast.List, ast.Tuple, ast.ListComp)):
+        return True
+    if not isinstance(node, ast.Name) or scope is None:
+        return False
+    bound = values.info(scope).assigns.get(node.id, ())
+    return bool(bound) and all(not path and isinstance(value, (ast.List, ast.Tuple, ast.ListComp))
+                               for value, path in bound)

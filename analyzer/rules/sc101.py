@@ -12,10 +12,6 @@ FIX_FABRIC = ("run the forward and backward of every micro-step but the last ins
 FIX_PREPARED = ("name {name} in the accumulate context too: `accelerator.accumulate(...)` takes several models "
                 "(`accelerator.accumulate(generator, discriminator)`)")
 
-# ``accelerator.accumulate([model, loss_module])``: one list, which has no no_sync() of its own
-FIX_LIST = ("pass the models themselves, not a list: accelerate calls no_sync() on each argument, finds none on "
-            "a list and falls back to a nullcontext (`accelerator.accumulate({args})`)")
-
 
 class SyncEveryMicrostep(Rule):
     code = "SC101"
@@ -200,11 +196,10 @@ class SyncEveryMicrostep(Rule):
                            f"the optimizer steps only every few: N-1 of every N {noun} are wasted")
                 accumulate = _inside_accumulate(module, node) if getattr(model, "kind", "") == "accelerate" else None
                 if accumulate is not None:
-                    given = _given_a_list(ctx.program, module, accumulate)
-                    fix = FIX_LIST.format(args=given) if given else FIX_PREPARED.format(name=name)
-                    reason = "unpacking the list is left to you" if given else \
-                        "which accumulate() context to widen is for you to decide"
-                    ctx.report(self, module, node, msg, fix, autofix=lambda reason=reason: {"reason": reason})
+                    if _given_a_list(ctx.program, module, accumulate):
+                        continue        # ``accumulate([model, loss_module])``: SC104 says what is wrong
+                    ctx.report(self, module, node, msg, FIX_PREPARED.format(name=name),
+                               autofix=lambda: {"reason": "which accumulate() context to widen is for you to decide"})
                     continue
                 ctx.report(self, module, node, msg, FIX_FABRIC if getattr(model, "kind", "") == "fabric" else FIX,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))
@@ -224,21 +219,11 @@ def _inside_accumulate(module, node):
     return None
 
 
-def _given_a_list(program, module, call) -> str:
-    """The text of the one argument of ``accumulate(models)`` when it is a list or tuple (written out,
-    or a name its function binds only to lists): accelerate takes the models one by one."""
+def _given_a_list(program, module, call) -> bool:
+    """Is the one argument of ``accumulate(models)`` a list or tuple (written out, or a name its
+    function binds only to lists)? accelerate takes the models one by one."""
     from synccheck.analyzer.project.definitions import enclosing_function
+    from synccheck.analyzer.project.value_helpers import a_sequence
 
-    if len(call.args) != 1 or call.keywords:
-        return ""
-    arg = call.args[0]
-    if isinstance(arg, (ast.List, ast.Tuple)):
-        return ", ".join(ast.unparse(e) for e in arg.elts)
-    if isinstance(arg, ast.ListComp):
-        return f"*{ast.unparse(arg)}"
-    if isinstance(arg, ast.Name):
-        scope = enclosing_function(module, call) or module
-        bound = program.values.info(scope).assigns.get(arg.id, ())
-        if bound and all(not path and isinstance(v, (ast.List, ast.Tuple, ast.ListComp)) for v, path in bound):
-            return f"*{arg.id}"
-    return ""
+    return len(call.args) == 1 and not call.keywords and \
+        a_sequence(program.values, enclosing_function(module, call) or module, call.args[0])

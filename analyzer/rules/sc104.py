@@ -1,3 +1,5 @@
+import ast
+
 from synccheck.analyzer.rules.base import Rule
 
 
@@ -11,8 +13,9 @@ class NoSyncOnUnwrapped(Rule):
         Finds `no_sync()` (and `accelerator.no_sync(...)`, `accelerator.accumulate(...)`,
         `fabric.no_backward_sync(...)`) applied to something that is not the data-parallel wrapper:
         `model.module.no_sync()`; the module that was passed to `DistributedDataParallel(...)` /
-        `accelerator.prepare(...)` when the wrapper was bound to another name; or an object built
-        around the wrapper (`model = Denoiser(ddp_model)`, then `accelerator.accumulate(model)`).
+        `accelerator.prepare(...)` when the wrapper was bound to another name; an object built
+        around the wrapper (`model = Denoiser(ddp_model)`, then `accelerator.accumulate(model)`); or
+        one list of models handed to `accelerator.accumulate([unet, text_encoder])`.
     """
     why = """
         Only the wrapper knows how to skip the all-reduce. A plain `nn.Module` has no `no_sync`:
@@ -74,6 +77,18 @@ class NoSyncOnUnwrapped(Rule):
                     accelerator.backward(model(batch).mean())
                     optimizer.step()
                     optimizer.zero_grad()
+    """, """
+        from accelerate import Accelerator
+
+        def train(transformer, optimizer, loader):
+            accelerator = Accelerator(gradient_accumulation_steps=4)
+            transformer, optimizer, loader = accelerator.prepare(transformer, optimizer, loader)
+            for batch in loader:
+                models_to_accumulate = [transformer]
+                with accelerator.accumulate(models_to_accumulate):  # SC104
+                    accelerator.backward(transformer(batch).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
     """)
     VALID = ("""
         from accelerate import Accelerator
@@ -104,6 +119,18 @@ class NoSyncOnUnwrapped(Rule):
                 accelerator.backward(model(batch).mean())
                 optimizer.step()
                 optimizer.zero_grad()
+    """, """
+        from accelerate import Accelerator
+
+        def train(transformer, optimizer, loader):
+            accelerator = Accelerator(gradient_accumulation_steps=4)
+            transformer, optimizer, loader = accelerator.prepare(transformer, optimizer, loader)
+            for batch in loader:
+                models_to_accumulate = [transformer]
+                with accelerator.accumulate(*models_to_accumulate):
+                    accelerator.backward(transformer(batch).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
     """)
 
     def check(self, ctx):
@@ -119,8 +146,26 @@ class NoSyncOnUnwrapped(Rule):
                 "module": (f"`{how}` names the module inside the wrapper: a plain nn.Module has no no_sync(), so "
                            f"this raises AttributeError (or, through accelerate, silently does nothing and every "
                            f"micro-step still all-reduces)", f"call no_sync() on the wrapper itself (`{wrapper}`)"),
+                "list": (f"`{how}` is given one {_noun(found.node)}: accelerate calls no_sync() on each of its "
+                         f"arguments, finds none on a {_noun(found.node)} and falls back to a nullcontext, so no "
+                         f"model in it skips the all-reduce "
+                         f"on any micro-step", f"pass the models themselves: `{_unpacked(found.node)}`")
+                if found.kind == "list" else None,
                 "original": (f"`{how}` names the original module, not the wrapper `{wrapper}` built from it: "
                              f"nothing skips the all-reduce (accelerate falls back to a nullcontext; a plain "
                              f"module has no no_sync)", f"use `{wrapper}` here"),
             }[found.kind]
             ctx.report(self, found.module, found.node, message, fix)
+
+
+def _unpacked(call) -> str:
+    """``accelerator.accumulate([a, b])`` with the list's models as its arguments: ``accelerator.accumulate(a, b)``,
+    ``accelerator.accumulate(*models)``."""
+    arg = call.args[0]
+    models = ", ".join(ast.unparse(e) for e in arg.elts) if isinstance(arg, (ast.List, ast.Tuple)) \
+        else f"*{ast.unparse(arg)}"
+    return f"{ast.unparse(call.func)}({models})"
+
+
+def _noun(call) -> str:
+    return "tuple" if isinstance(call.args[0], ast.Tuple) else "list"
