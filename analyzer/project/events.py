@@ -26,7 +26,7 @@ from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal, origin_of
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Bag, Const, CtxFactory, Inst, Tup, _cap, site_of
-from synccheck.analyzer.project.traversal import children, walk
+from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
 
 
 class FlowCtx(NamedTuple):
@@ -140,9 +140,11 @@ def expr(flow, node, st, fr) -> EnvVal:
             # by the world size, a measured micro-batch, or a mean over what one micro-step holds:
             # divided by something other than the micro-steps (not_the_count)
             scaled = left.scaled
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right):
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right) and \
+                not _the_step_count(node.right, fr.scope.node if isinstance(fr.scope, Function) else None):
             # ``loss / accum_steps`` where ``accum_steps`` is a parameter left at its default of 1 by
-            # every caller: divided by nothing
+            # every caller: divided by nothing (unless the step's own test counts by it: then it is
+            # the micro-steps, whatever one configuration sets them to)
             scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
@@ -453,6 +455,17 @@ from synccheck.analyzer.project.micro_step import (_each, _owned, _sync_gradient
                                                    forward, step, zero_grad)
 from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, _is_no_grad_call, _opaque_context,
                                                      _run_helper, pop_controls, push_controls, with_)
+
+
+def _the_step_count(divisor, fn_node) -> bool:
+    """Is ``divisor`` what the function's own step test counts by (``(step + 1) % divisor == 0``)? A
+    count that one configuration sets to 1 (chinese_pretrain's star-imported config) is still the
+    number of micro-steps the loss is divided by."""
+    if fn_node is None:
+        return False
+    text = ast.unparse(divisor)
+    return any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and ast.unparse(n.right) == text
+               for n in walk_no_defs(fn_node))
 
 
 def not_the_count(node: ast.BinOp, fn_node) -> bool:
