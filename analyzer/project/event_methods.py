@@ -249,7 +249,8 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
     if attr == "enter_context" and args:
         owners = [flow.exitstacks.get(v.site) for v in vals if isinstance(v, FlowCtx) and v.effect == "exitstack"]
         owner = next((o for o in owners if o is not None), None)
-        at = None
+        # (entered in a @contextmanager helper: the caller's ``with helper(...)`` is where it is reported)
+        at = fr.control
         if owner is None and flow.entering:
             # a context object's ``__enter__`` enters it on a stack of its own: the caller's with owns it
             owner, at = flow.entering[-1], fr.control

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 from typing import Optional
 
+from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.state import FROZEN, EnvVal
 from synccheck.analyzer.project.traversal import walk
@@ -39,10 +40,12 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     if receiver is not None and fn.is_method and params:
         env[params[0]] = _val(frozenset((receiver,)), version=("arg", id(node), 0))._replace(
             origin=origin_of(node.func.value, st) if isinstance(node.func, ast.Attribute) else None)
-        if isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+        held_by = _dotted(node.func.value) if isinstance(node.func, ast.Attribute) else None
+        if held_by:
             # ``self.micro`` moved on in the caller (``self.micro += 1``) is the callee's ``self.micro``:
-            # one count under one origin, whichever frame tests it
-            prefix = node.func.value.id + "."
+            # one count under one origin, whichever frame tests it (and ``self.accumulator.step`` is
+            # ``self.step`` in ``self.accumulator.should_update()``)
+            prefix = held_by + "."
             for name, known in st.env.items():
                 if name.startswith(prefix):
                     env[params[0] + name[len(prefix) - 1:]] = known if known.origin is not None else \
@@ -96,7 +99,7 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
         flow.call_stack.pop()
     ends = flow.join([out] + frame.returns)
     props = ends.props if ends is not None else {}
-    stored = _stored_outputs(fn, node, receiver, ends)
+    stored = stored_outputs(fn, node, receiver, ends)
     if frame.ret_vals:
         rets = frame.ret_vals
         if len(rets) > 1:
@@ -122,16 +125,22 @@ def inline(flow, fn: Function, node, receiver, args, kws, st, fr, yield_handler=
     return result
 
 
-def _stored_outputs(fn, node, receiver, ends) -> dict:
+def stored_outputs(fn, node, receiver, ends) -> dict:
     """What a method called on ``self`` stored on its instance from a model's forward, as the caller
     names it: ``self.vq_forward()`` whose body is ``self.E, self.vq_loss = self.netG(x)`` (KAIR's
     model classes) leaves ``self.E`` holding that forward's output for the loss the caller computes.
     Only values a forward made (with a provenance) are handed back."""
     if ends is None or receiver is None or not fn.is_method or not fn.params or \
-            not isinstance(node.func, ast.Attribute) or not isinstance(node.func.value, ast.Name):
+            not isinstance(node.func, ast.Attribute):
         return {}
-    mine, theirs = fn.params[0] + ".", node.func.value.id + "."
-    return {theirs + k[len(mine):]: v for k, v in ends.env.items() if k.startswith(mine) and v.prov}
+    held_by = _dotted(node.func.value)
+    if not held_by:
+        return {}
+    mine, theirs = fn.params[0] + ".", held_by + "."
+    # (and a count the method moved on, ``self.current_step += 1`` in an accumulator's ``accumulate()``:
+    # the caller's later ``self.accumulator.should_update()`` tests the count as moved)
+    return {theirs + k[len(mine):]: v for k, v in ends.env.items() if k.startswith(mine) and (
+        v.prov and isinstance(node.func.value, ast.Name) or v.origin is not None and v.origin[0] == "shift")}
 
 
 _CALLABLE = (Func, Bound, Cls, Inst, Inner, Obj)

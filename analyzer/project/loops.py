@@ -17,7 +17,8 @@ from synccheck.analyzer.project.flow_state import Frame, St, _merge_props, _same
 from synccheck.analyzer.project.guards import TRUE, exists
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.state import EnvVal, Prop, Token
-from synccheck.analyzer.project.values import ONE_UNKNOWN
+from synccheck.analyzer.project.values import ONE_UNKNOWN, Tup, Wrapper
+_UNKNOWN = EnvVal(((TRUE, ONE_UNKNOWN),))
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.traversal import walk
 
@@ -212,7 +213,9 @@ class Loops:
         outer_gate = fr.gate
         if outer_gate and self.program.loop_runs_backward(s, fr):
             fr.gate = False
+        restarted = False
         for _ in range(MAX_LOOP_ROUNDS):
+            counted_rebound = len(rebound)
             ctx.breaks, ctx.continues = [], []
             fr.loops.append(ctx)
             body_in = head.copy()
@@ -237,7 +240,18 @@ class Loops:
             fr.loops.pop()
             end = self.join([out] + ctx.continues)
             back = self.restrict(end.copy(), self.atoms.formula(last, False)) if (last is not None and end) else end
-            new_head = entry if once else self.join([entry, self.back_edge(back, info)])
+            new_head = entry if once else self.join([entry, self.back_edge(back, info, entry.env)])
+            if len(rebound) > counted_rebound and not restarted and not once:
+                # the turn found counts its calls move on (back_edge): the loop starts again with
+                # them defined at its head, as a count the loop itself moves on is from the first turn
+                restarted = True
+                entry = St(entry.props, dict(entry.env))
+                for name in rebound:
+                    if name not in entry.env or entry.env[name].version != ("phi", info.id):
+                        entry.env[name] = entry.env.get(name, _UNKNOWN)._replace(version=("phi", info.id),
+                                                                                 origin=None)
+                head = entry
+                continue
             if new_head is not None and len(new_head.props) > self.peak:
                 self.peak = len(new_head.props)
             if _same(new_head, head):
@@ -250,8 +264,11 @@ class Loops:
             exits.append(self.restrict(end.copy(), self.atoms.formula(last, True)) if end is not None else None)
         elif once:
             exits.append(end)
-        elif is_for and end is not None and (info.id in self.optimizer_loops or info.each(_flags_each)):
-            exits.append(end)      # ``for opt in optimizers: opt.step()``: there is at least one optimizer
+        elif is_for and end is not None and (info.id in self.optimizer_loops or info.each(_flags_each) or
+                                             _models_written_out(iterated)):
+            # ``for opt in optimizers: opt.step()``: there is at least one optimizer (and one model in
+            # ``for m in [encoder, decoder]: stack.enter_context(m.no_sync())``)
+            exits.append(end)
         elif is_for:
             exits.append(head)
         else:
@@ -269,7 +286,7 @@ class Loops:
             out = St(_with_first(out.props.items(), info.id, False), out.env)
         return out
 
-    def back_edge(self, st: Optional[St], info: LoopInfo):
+    def back_edge(self, st: Optional[St], info: LoopInfo, before: Optional[dict] = None):
         """Going round: tokens remember the micro-step they came from; conditions that the next
         iteration evaluates afresh are forgotten; names rebound in the loop get a new version."""
         if st is None or not st.props:
@@ -296,6 +313,11 @@ class Loops:
             props[key] = (g & universe) if old is None else old | (g & universe)
         env = {}
         ids, rebound = info.ids, self._rebound(info)
+        if before is not None:
+            # a count a method called in the loop moves on (``self.accumulator.accumulate(model)`` doing
+            # ``self.current_step += 1``) is rebound by the loop as much as a ``step += 1`` written in it
+            rebound.update(name for name, value in st.env.items() if name not in rebound and
+                           value.origin is not None and value.origin[0] == "shift" and before.get(name) is not value)
         for name, value in st.env.items():
             if isinstance(value.version, int) and value.version in ids or name in rebound:
                 value = value._replace(version=("phi", info.id), cond=None, origin=None,
@@ -436,3 +458,11 @@ def _acts_on_each(loop, acts) -> bool:
     else:
         return False
     return any(acts(n, name) for stmt in loop.body for n in walk(stmt) for name in names)
+
+
+def _models_written_out(iterated) -> bool:
+    """Does the loop iterate a list or tuple written out with a wrapper among its items (so it
+    runs at least once)?"""
+    return iterated is not None and bool(iterated.values) and all(
+        isinstance(v, Tup) and v.items and any(isinstance(w, Wrapper) for item in v.items for w in item)
+        for v in iterated.values)

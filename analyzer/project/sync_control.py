@@ -148,7 +148,11 @@ def _run_helper(flow, s, i, helper: FlowHelper, st, fr, owner: int):
     from synccheck.analyzer.project.syncflow import St
 
     def at_yield(inner):
-        body = _enter(flow, s, i + 1, St(inner.props, dict(caller_env)), fr, owner)
+        env = dict(caller_env)
+        # (what the helper stored on its instance before the yield, as the caller names it: the count
+        # ``self.current_step += 1`` of ``self.accumulator.accumulate(model)``)
+        env.update(stored_outputs(fn, node, receiver, inner))
+        body = _enter(flow, s, i + 1, St(inner.props, env), fr, owner)
         if body is None:
             return None
         envs.append(body.env)
@@ -291,6 +295,6 @@ def _bound_calls(flow, name: str, fr) -> list:
 # The events stage's parts call one another: their names are imported last, once every part has
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import FlowCtx, FlowHelper, _text, _val, assign, expr
-from synccheck.analyzer.project.inlining import inline
+from synccheck.analyzer.project.inlining import inline, stored_outputs
 from synccheck.analyzer.project.event_methods import _name
 from synccheck.analyzer.project.micro_step import _each
