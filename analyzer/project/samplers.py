@@ -10,7 +10,7 @@ from synccheck.analyzer.project.dead_code import class_never_made, never_runs
 from synccheck.analyzer.project.definitions import Function, called_name, is_super_call
 from synccheck.analyzer.project.traversal import walk, walk_no_defs
 from synccheck.analyzer.project.unwrapped import _text
-from synccheck.analyzer.project.values import Ext, Framework, Loader, Obj, Sampler, Unknown
+from synccheck.analyzer.project.values import Const, Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.sampler_loops import (_EVALUATION, _EVALUATION_FUNCTION, _builder_shared,
                                                       _follow_loaders, _has_epoch_loop, _import_related,
                                                       _draws_from, _handed_loaders, _loops_over_epochs, _takers)
@@ -75,6 +75,8 @@ def samplers_without_set_epoch(program) -> list:
             # makes its sampler and reseeds it is one piece: made by a script out of view, or by nobody;
             # so is a base trainer's epoch loop reseeding what its subclass's get_dataloader built)
             continue
+        if _under_a_false_flag(values, scope, call):
+            continue        # ``if self.ddp: loader.sampler.set_epoch(epoch)`` with ``ddp=False`` left by every caller
         receiver = values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
             for v in receiver:
@@ -132,6 +134,7 @@ def samplers_without_set_epoch(program) -> list:
                 # epoch loop of the script that takes its loader, so that script is told too
                 sites += [site for site in _takers(program, sampler)
                           if site[0] is not module and _loops_over_epochs(site[0])]
+            if isinstance(scope, Function) and scope.cls is None or scope is module:
                 if len(sites) == 1:
                     # ``train(model, train_dataloader, ...)`` of another file loops over the epochs
                     # itself, handed the loader (MPCoder's train_utils.py): said at that loop too
@@ -201,6 +204,22 @@ def _calls_left_unseeded(program, sampler) -> list:
             if not reseeded[key] and not any(_EVALUATION.search(site[2]) for site in group):
                 out.append(group[0])
     return out
+
+
+def _under_a_false_flag(values, scope, call) -> bool:
+    """Is ``call`` inside an ``if flag:`` whose flag is a false constant wherever it is set: a
+    parameter's default of False that no caller passes (KPGT's ``Trainer(..., ddp=False)``, built
+    by its DDP script without ``ddp=``), kept on ``self``?"""
+    node = getattr(scope, "node", None)
+    if node is None:
+        return False
+    for n in walk_no_defs(node):
+        if isinstance(n, ast.If) and isinstance(n.test, (ast.Name, ast.Attribute)) and \
+                any(s.lineno <= call.lineno <= (s.end_lineno or s.lineno) for s in n.body):
+            held = values.expr(n.test, scope)
+            if held and all(isinstance(v, Const) and v.value in (False, None, 0) for v in held):
+                return True
+    return False
 
 
 def _part_of_its_own_loop(scope, call) -> bool:
