@@ -12,7 +12,7 @@ import ast
 import re
 from typing import Optional
 
-from synccheck.analyzer.project.type_tests import DECIDED_KINDS, distributed_switch, wrapper_type_test
+from synccheck.analyzer.project.type_tests import DECIDED_KINDS, distributed_switch, tested_values, wrapper_type_test
 from synccheck.analyzer.project.definitions import Function
 from synccheck.analyzer.project.flow_state import Frame, St
 from synccheck.analyzer.project.guards import TRUE, depends_on
@@ -136,7 +136,7 @@ class Branches:
             for side, holds in sides:
                 if side is None:
                     continue
-                known = side.env.get(name) or EnvVal(((TRUE, self.values.name(name, fr.scope, c.lineno)),))
+                known = side.env.get(name) or EnvVal(((TRUE, tested_values(self.values, name, c, fr.scope)),))
                 alts = tuple((g, frozenset(v for v in vals if self._kept_by_type_test(v, kinds, holds)))
                              for g, vals in known.alts)
                 if alts != known.alts:

@@ -8,6 +8,8 @@ import re
 from functools import lru_cache
 from typing import Optional
 
+from synccheck.analyzer.parse import dotted
+
 from synccheck.analyzer.project.guards import FALSE, TRUE
 
 # wrapper kinds fixed when the wrapper is built (an accelerate or fabric model's is decided at run time)
@@ -88,7 +90,10 @@ def wrapper_type_test(values, test, scope) -> tuple:
     """(the name tested, the wrapper kinds of its classes) for ``isinstance(model, DDP)`` or
     ``isinstance(model, (FSDP, DDP))``; (None, set()) for any other test, or classes not all wrappers."""
     if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and
-            len(test.args) == 2 and isinstance(test.args[0], ast.Name)):
+            len(test.args) == 2 and isinstance(test.args[0], (ast.Name, ast.Attribute))):
+        return None, set()
+    tested = dotted(test.args[0])       # ``model``, or ``self.model`` (apex's schedules)
+    if tested is None:
         return None, set()
     from synccheck.analyzer.project import vocabulary as vocab
     from synccheck.analyzer.project.values import Ext, Tup
@@ -97,7 +102,14 @@ def wrapper_type_test(values, test, scope) -> tuple:
     kinds = {vocab.wrapper_kind(v.qualname) if isinstance(v, Ext) else "" for v in classes}
     if not kinds or "" in kinds:
         return None, set()
-    return test.args[0].id, kinds
+    return tested, kinds
+
+
+def tested_values(values, name: str, test, scope) -> frozenset:
+    """What the name an ``isinstance`` test names holds where nothing on this path bound it."""
+    if "." in name:
+        return values.expr(test.args[0], scope)
+    return values.name(name, scope, test.lineno)
 
 
 def _text(fr, node) -> str:
@@ -119,7 +131,7 @@ class TypeTests:
         from synccheck.analyzer.project.values import Inst, Obj, Unknown, Wrapper
         known = st.env.get(name)
         if known is None:
-            known = EnvVal(((TRUE, self.flow.values.name(name, fr.scope, node.lineno)),))
+            known = EnvVal(((TRUE, tested_values(self.flow.values, name, node, fr.scope)),))
         wrappers = self.flow.program.wrappers
         split = []          # (guard, values of the kinds tested, the other values)
         for guard, values in known.alts:
