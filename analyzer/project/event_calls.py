@@ -604,7 +604,13 @@ def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
     function, ``model`` bound once before it and never after (the tutorial mistake of training the
     module that was wrapped under a new name). Read from the function's own assignments only."""
     scope = fr.scope
-    if not isinstance(scope, Function) or "DistributedDataParallel" not in fr.module.text and "DDP" not in fr.module.text:
+    if not isinstance(scope, Function):
+        return None
+    derived = fr.module.derived
+    says = derived.get("says DDP")
+    if says is None:
+        says = derived["says DDP"] = "DistributedDataParallel" in fr.module.text or "DDP" in fr.module.text
+    if not says:
         return None
     name = node.func.id
     info = flow.values.info(scope)
