@@ -50,6 +50,8 @@ class Records:
         self.backwards: dict = {}        # site -> Backward
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
         self.loops_at: dict = {}         # zero_grad / step site -> ids of the loops it ran in (callers' included)
+        self.step_contexts: dict = {}    # step site -> the sets of loops around each run of it (a helper's
+                                         # step called in the loop and again after it: two contexts)
         self.window_loops: dict = {}     # loop id -> whether it is a gradient-cache loop (see window_cache)
         self.switches: set = set()       # stable atoms of the tests that guard a zero_grad (Flow.if_)
         self.helper_flags: set = set()   # with-item sites of helper contexts that write the DDP flag
@@ -178,7 +180,9 @@ class Population:
                 self.counting |= 1 << k
         self.periodic = bool(self.counting) or any(
             # one step after the micro-steps' loop (a chunk loop inside the iteration): once per run of it
-            kind == "stepped" and _outside(flow, resolver, loop) for _, kind, resolver, _, _ in records)
+            # (also where the same helper steps in the loop too: FlowERrs' ``_optimize`` for the remainder)
+            kind == "stepped" and (_outside(flow, resolver, loop) or _run_outside(flow, resolver, loop))
+            for _, kind, resolver, _, _ in records)
         kinds = {kind for token, kind, _, across, _ in records if across or _gated_window(token, hand)}
         # gradients wiped between iterations under a non-counting gate: steps are skipped, not
         # accumulated, whatever else the paths through the iteration do
@@ -272,6 +276,11 @@ def _inside(flow, site, loop) -> bool:
 def _outside(flow, site, loop) -> bool:
     loops = flow.records.loops_at.get(site)
     return loops is not None and loop not in loops
+
+
+def _run_outside(flow, site, loop) -> bool:
+    """Did the step at ``site`` also run outside ``loop`` (a helper's step called after it too)?"""
+    return any(loop not in loops for loops in flow.records.step_contexts.get(site, ()))
 
 
 def _periodic(atom, loop) -> bool:

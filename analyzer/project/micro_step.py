@@ -214,6 +214,7 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
     # stepping each of several optimizers in a loop is one step, in the loops around that loop
     loops = tuple(i for i in flow.loop_stack if i not in flow.optimizer_loops)
     flow.records.loops_at.setdefault(site, set()).update(loops)
+    flow.records.step_contexts.setdefault(site, set()).add(frozenset(loops))
 
     def transfer(prop, guard):
         flow.records.reached(site, guard)
