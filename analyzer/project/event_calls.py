@@ -13,6 +13,7 @@ import ast
 import re
 from typing import Optional
 
+from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _HOUSEKEEPING, _LOSS_METHOD,  # noqa: F401
                                                    FABRIC_REDIRECTED, _inner_wrappers, _submodule, clears_grads, forward_dispatch,
                                                    handed_a_token_count, handed_the_accumulation_count,
@@ -533,12 +534,28 @@ def _runs_submodules(flow, wrappers: frozenset, attr: str, scope, node) -> bool:
 
 
 
+def _handed_back(node) -> Optional[str]:
+    """The name ``return`` gives back as scaled as it came: ``loss``, ``self.scaler.scale(loss)`` (a
+    GradScaler's loss scale, which the step undoes), ``loss.float()``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "scale" and len(node.args) == 1 and not node.keywords and \
+                isinstance(node.args[0], ast.Name):
+            return node.args[0].id
+        if node.func.attr in vocab.TENSOR_PASSTHROUGH and isinstance(node.func.value, ast.Name):
+            return node.func.value.id
+    return None
+
+
 def _returned_argument(fn, receiver, args, kws) -> Optional[EnvVal]:
-    """The argument ``fn`` returns as it was handed (every ``return`` is that parameter), else None."""
+    """The argument ``fn`` returns as it was handed (every ``return`` is that parameter, or its loss
+    scaled by a GradScaler: R-ESM's ``return self.scaler.scale(loss)``), else None."""
     nodes = fn.nodes()
     returns = [n.value for n in nodes if isinstance(n, ast.Return)]
-    names = {r.id for r in returns if isinstance(r, ast.Name)}
-    if len(names) != 1 or len(returns) != len([r for r in returns if isinstance(r, ast.Name)]):
+    handed = [_handed_back(r) for r in returns]
+    names = set(handed)
+    if len(names) != 1 or None in names:
         return None
     (name,) = names
     if any(isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Load) for n in nodes):

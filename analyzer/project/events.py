@@ -141,7 +141,7 @@ def expr(flow, node, st, fr) -> EnvVal:
             # divided by something other than the micro-steps (not_the_count)
             scaled = left.scaled
         elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and is_one(right) and \
-                not _the_step_count(node.right, fr.scope.node if isinstance(fr.scope, Function) else None):
+                not the_step_count(node.right, fr.scope.node if isinstance(fr.scope, Function) else None):
             # ``loss / accum_steps`` where ``accum_steps`` is a parameter left at its default of 1 by
             # every caller: divided by nothing (unless the step's own test counts by it: then it is
             # the micro-steps, whatever one configuration sets them to)
@@ -457,7 +457,7 @@ from synccheck.analyzer.project.sync_control import (HARMLESS_CONTEXTS, _enter, 
                                                      _run_helper, pop_controls, push_controls, with_)
 
 
-def _the_step_count(divisor, fn_node) -> bool:
+def the_step_count(divisor, fn_node) -> bool:
     """Is ``divisor`` what the function's own step test counts by (``(step + 1) % divisor == 0``)? A
     count that one configuration sets to 1 (chinese_pretrain's star-imported config) is still the
     number of micro-steps the loss is divided by."""

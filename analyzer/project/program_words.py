@@ -41,6 +41,26 @@ class Words:
             found = self._stmt_words[key] = self._words_of(stmts, scope)
         return found
 
+    def _stepping_step_classes(self) -> bool:
+        """Does a project class have a ``step`` method that steps an optimizer (``self.scaler.step(self.optim)``,
+        ``self.optimizer.step()``)? Then ``training_scheduler.step()`` may be one (R-ESM's loss scheduler),
+        whatever its name says."""
+        found = getattr(self, "_stepping_steps", None)
+        if found is None:
+            found = False
+            for module in self.project.modules():
+                if "def step" not in module.text:
+                    continue
+                for klass in module.classes.values():
+                    method = klass.methods.get("step") if isinstance(klass.methods, dict) else None
+                    if method is not None and _STEPS_AN_OPTIMIZER.search(module.segment(method.node) or ""):
+                        found = True
+                        break
+                if found:
+                    break
+            self._stepping_steps = found
+        return found
+
     def _words_of(self, stmts, scope) -> frozenset:
         """Event words of a block, through the project functions it calls: syntax and the index only
         (this decides what to analyse; the flows then resolve every call precisely)."""
@@ -52,7 +72,8 @@ class Words:
                     func = node.func
                     name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
                     if name in EVENT_CALLS:
-                        if name == "step" and isinstance(func, ast.Attribute) and _receiver_is_scheduler(func.value):
+                        if name == "step" and isinstance(func, ast.Attribute) and \
+                                _receiver_is_scheduler(func.value) and not self._stepping_step_classes():
                             continue
                         out.add(name)
                     elif name in WRAP_CALLS:
@@ -250,6 +271,9 @@ _MODEL_ATTRIBUTE = re.compile(r"model|^net$|_net$|^module$|critic|actor|encoder|
 def _names_model(node) -> bool:
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
     return "model" in name.lower()
+
+
+_STEPS_AN_OPTIMIZER = re.compile(r"\.step\(\s*self\.\w*optim\w*\s*\)|self\.\w*optim\w*\.step\(")
 
 
 def _receiver_is_scheduler(node) -> bool:

@@ -181,7 +181,8 @@ class Flow(Branches, Loops):
                 scaled = product             # ``loss *= weight``
             else:
                 scaled = old.scaled if isinstance(s.op, (ast.Div, ast.FloorDiv)) and (
-                    events.is_one(value) or events.mean_over(
+                    events.is_one(value) and not events.the_step_count(
+                        s.value, fr.scope.node if isinstance(fr.scope, Function) else None) or events.mean_over(
                     s.target, s.value, s, fr.scope.node if isinstance(fr.scope, Function) else None)) else \
                     True if isinstance(s.op, (ast.Div, ast.Mult, ast.FloorDiv)) else \
                     value.scaled if zero_start(old) else _scaled_or(old.scaled, value.scaled)
