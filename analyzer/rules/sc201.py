@@ -85,6 +85,8 @@ class ZeroGradEveryMicrostep(Rule):
         for flow in ctx.flows:
             for site, token, outcomes, group, at_boundary in wiped(flow):
                 module, node = ctx.node(flow, site)
+                if _inside_an_accumulate_that_never_accumulates(ctx.program, module, node):
+                    continue        # (SC105: accumulate() steps on every micro-batch, there is no window to wipe)
                 what = (f"`{ctx.text(module, node)}` runs after every micro-step's backward, the last one's included, "
                         f"and the optimizer steps after this loop: it steps on no gradients at all"
                         if at_boundary == "all" else
@@ -96,3 +98,26 @@ class ZeroGradEveryMicrostep(Rule):
                 ctx.report(self, module, node, what,
                            "move zero_grad() next to optimizer.step(), inside the boundary branch",
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan_more.wiped(flow, pop, site))
+
+
+def _inside_an_accumulate_that_never_accumulates(program, module, node) -> bool:
+    """Is ``node`` inside ``with accelerator.accumulate(...)`` of an Accelerator built without
+    gradient_accumulation_steps? Every micro-batch is then a step of its own (SC105's finding)."""
+    import ast
+
+    from synccheck.analyzer.project.definitions import enclosing_function
+    from synccheck.analyzer.project.values import Framework
+
+    if module is None or node is None:
+        return False
+    scope = enclosing_function(module, node) or module
+    tree = getattr(scope, "node", None) or module.tree
+    for w in ast.walk(tree):
+        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno):
+            for item in w.items:
+                call = item.context_expr
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "accumulate":
+                    held = [v for v in program.values.expr(call.func.value, scope) if isinstance(v, Framework)]
+                    if held and all(v.kind == "accelerate" and v.accumulates == "no" for v in held):
+                        return True
+    return False
