@@ -11,6 +11,7 @@ from typing import Optional
 from synccheck.analyzer.project.facts import (NON_BOUNDARY, _gated_window, _late_wipes, _outside, assignments,
                                               exists, populations)
 from synccheck.analyzer.project.state import PLAIN
+from synccheck.analyzer.project.traversal import walk
 
 
 def unsynced_steps(flow) -> list:
@@ -309,6 +310,8 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
     for token, kind, resolver, across, guard in sorted(pop.records, key=repr):
         if kind != "wiped" or not (across or _gated_window(token, flow.program.managed_models())):
             continue
+        if _skips_the_turn(flow, resolver):
+            continue
         ran = flow.records.zero_ran.get(resolver, 0) & universe
         # (judged where it wipes a micro-step when it is written before that backward: ``if boundary:
         # zero_grad()`` then ``if use_plain: backward() ... step()``, a run with ``use_plain`` off has
@@ -317,6 +320,23 @@ def _wiped_at_boundary(flow, pop) -> Optional[tuple]:
         if ran and not where & ~steps and fixed(ran) & fixed(guard):
             return resolver, token, pop, 0, True
     return None
+
+
+def _skips_the_turn(flow, site) -> bool:
+    """Is the zero_grad at ``site`` in a block that then leaves the turn (``if not isfinite(loss):
+    optimizer.zero_grad(); continue``)? It drops a window on purpose, before no backward of its own."""
+    found = flow.records.nodes.get(site)
+    if found is None or found[0] is None or found[1] is None:
+        return False
+    module, node = found
+    for n in walk(module.tree):
+        for field in ("body", "orelse"):
+            block = getattr(n, field, None)
+            if isinstance(n, ast.If) and isinstance(block, list) and block and \
+                    isinstance(block[-1], (ast.Continue, ast.Break, ast.Return, ast.Raise)) and \
+                    any(isinstance(st, ast.Expr) and st.value is node for st in block):
+                return True
+    return False
 
 
 def _written_before(a, b) -> bool:

@@ -8,6 +8,7 @@ helper's own rank tests (``zero_first(rank=-1)``).
 from __future__ import annotations
 
 import ast
+import re
 from collections import deque
 from typing import NamedTuple, Optional
 
@@ -312,6 +313,10 @@ class _RankChecker(RankTests):
                 if isinstance(v, Ext) and v.qualname.startswith("torch.distributed.") and \
                         vocab.tail(v.qualname) in vocab.COLLECTIVES:
                     return _kind(vocab.tail(v.qualname))
+                if isinstance(v, Ext) and v.qualname.startswith("accelerate.utils.") and \
+                        vocab.tail(v.qualname) in vocab.ACCELERATE_UTILS_COLLECTIVES:
+                    # ``from accelerate.utils import broadcast``: every process must call it (Emuru)
+                    return _kind(vocab.tail(v.qualname))
             return None
         attr = func.attr
         if attr == "save_state" and _runs_deepspeed(self.values.module_of(scope)):
@@ -319,6 +324,14 @@ class _RankChecker(RankTests):
             # ``save_checkpoint``, which starts with a barrier (accelerate#1171, diffusers#2606)
             receiver = self.values.expr(func.value, scope)
             if any(isinstance(v, Framework) and v.kind == "accelerate" for v in receiver):
+                return "save_state"
+            return None
+        if attr == "save_state":
+            # ``ProjectConfiguration(automatic_checkpoint_naming=True)``: save_state numbers the
+            # checkpoint folder and then calls ``wait_for_everyone()`` (accelerate's save_state; Emuru)
+            receiver = self.values.expr(func.value, scope)
+            if any(isinstance(v, Framework) and v.kind == "accelerate" and _names_checkpoints(self.values.project, v)
+                   for v in receiver):
                 return "save_state"
             return None
         if attr in ("save", "load"):
@@ -367,7 +380,7 @@ class _RankChecker(RankTests):
         module binds it to one (``from torch.distributed import barrier as b``, ``reduce =
         dist.all_reduce``)? Most calls in a script are ``len(...)``, ``print(...)``, a function of
         the project or a model: their values are not worked out for this."""
-        if name in vocab.COLLECTIVES:
+        if name in vocab.COLLECTIVES or name in vocab.ACCELERATE_UTILS_COLLECTIVES:
             return True
         module = scope.module if isinstance(scope, Function) else scope
         bound = self._names_bound.get(module.path)
@@ -503,3 +516,13 @@ def _calls_on_main_only(checker, deco: Function) -> bool:
 
 def _exits(stmts) -> bool:
     return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Continue, ast.Break))
+
+
+_AUTOMATIC_NAMING = re.compile(r"automatic_checkpoint_naming\s*=\s*True")
+
+
+def _names_checkpoints(project, framework) -> bool:
+    """Was this Accelerator built in a file that turns on ``automatic_checkpoint_naming``?"""
+    site = getattr(framework, "site", None)
+    module = project.module_at(site[0]) if site else None
+    return module is not None and _AUTOMATIC_NAMING.search(module.text) is not None

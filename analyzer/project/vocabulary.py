@@ -80,6 +80,9 @@ COLLECTIVES = frozenset((
 # ``accelerator.*`` / ``fabric.*`` methods that every process must call.
 FRAMEWORK_COLLECTIVES = frozenset(("wait_for_everyone", "gather", "gather_for_metrics", "reduce", "all_reduce",
                                    "all_gather", "broadcast", "barrier", "pad_across_processes"))
+# ``accelerate.utils`` functions that every process must call (``from accelerate.utils import broadcast``)
+ACCELERATE_UTILS_COLLECTIVES = frozenset(("broadcast", "broadcast_object_list", "gather", "gather_object", "reduce",
+                                          "pad_across_processes"))
 # Collectives that synchronize gradients or parameters by hand (manual all-reduce, local SGD): an
 # optimizer step after them is on synchronized gradients whatever DDP did.
 GRAD_SYNC = frozenset(("all_reduce", "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_tensor",
