@@ -103,8 +103,10 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                     owned = _owned(flow, frozenset((v,)))
                     if owned:
                         together.append(owned)
-        if not together and _one_stepper(flow):
-            together.append(models)      # one optimizer in the loop's function, whatever it owns
+        if _one_stepper(flow):
+            # one optimizer in the loop's function, whatever it owns (and whatever we could tell it
+            # owns: zero123's ``AdamW(list(unet.parameters()) + list(cc_projection.parameters()))``)
+            together.append(models)
 
     def transfer(prop, guard):
         pending = frozenset(f.model for f in prop.forwards)
