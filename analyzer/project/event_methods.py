@@ -248,9 +248,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         return recv
     if attr == "enter_context" and args:
         owners = [flow.exitstacks.get(v.site) for v in vals if isinstance(v, FlowCtx) and v.effect == "exitstack"]
-        owner = next((o for o in owners if o is not None), None)
-        # (entered in a @contextmanager helper: the caller's ``with helper(...)`` is where it is reported)
-        at = fr.control
+        owner, at, made_in = next((o for o in owners if o is not None), (None, None, None))
+        if made_in is fr.scope:
+            # entered where the stack is (``if not sync: stack.enter_context(model.no_sync())``): said
+            # here, or at the caller's ``with helper(...)`` of a @contextmanager helper
+            at = fr.control
         if owner is None and flow.entering:
             # a context object's ``__enter__`` enters it on a stack of its own: the caller's with owns it
             owner, at = flow.entering[-1], fr.control

@@ -120,7 +120,9 @@ def _enter(flow, s, i: int, st, fr, owner: int):
             fr.no_grad -= 1
     for v in vals:
         if isinstance(v, FlowCtx) and v.effect == "exitstack":
-            flow.exitstacks[v.site] = owner
+            # (what a helper that returns the stack enters is reported at the caller's ``with
+            # no_sync_all([...])``, which owns it)
+            flow.exitstacks[v.site] = (owner, fr.control or (fr.module, item.context_expr), fr.scope)
     helpers = [v for v in vals if isinstance(v, FlowHelper)]
     if helpers:
         outs = []
