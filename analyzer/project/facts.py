@@ -50,6 +50,7 @@ class Records:
         self.backwards: dict = {}        # site -> Backward
         self.missed: dict = {}           # (control or flag site, backward site, model, kind) -> guard
         self.loops_at: dict = {}         # zero_grad / step site -> ids of the loops it ran in (callers' included)
+        self.stacks: dict = {}           # backward site -> the calls it was first reached through
         self.step_contexts: dict = {}    # step site -> the sets of loops around each run of it (a helper's
                                          # step called in the loop and again after it: two contexts)
         self.window_loops: dict = {}     # loop id -> whether it is a gradient-cache loop (see window_cache)

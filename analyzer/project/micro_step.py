@@ -90,6 +90,7 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
     models = engines or flow.program.wrappers(loss.prov if loss is not None else frozenset())
     report_module, report_node = flow.records.nodes[site]
     flow.records.backward(site, report_module, report_node, via, loss, fr)
+    flow.records.stacks.setdefault(site, tuple(flow.call_stack))
     managed = flow.program.managed_models()
 
     loops = tuple(flow.loop_stack)

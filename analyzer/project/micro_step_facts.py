@@ -10,6 +10,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.facts import (NON_BOUNDARY, _gated_window, _late_wipes, _outside, assignments,
                                               exists, populations)
+from synccheck.analyzer.project.definitions import enclosing_function
 from synccheck.analyzer.project.state import PLAIN
 from synccheck.analyzer.project.traversal import walk
 
@@ -169,16 +170,50 @@ _USES_GRADIENTS = re.compile(r"step\w*\s*\(|\.grad\b|clip\w*\s*\(|unscale|all_re
 
 def _straight_between(flow, first, later) -> bool:
     """Are both backwards in one function's body, the later one after the first, with nothing between
-    them (the first one's call included) that steps or reads the gradients?"""
+    them (the first one's call included) that steps or reads the gradients? Or each in a method that
+    one function calls, the first call before the second (a GAN's ``_d_real(real)`` then
+    ``_d_fake(n)``), with nothing that steps or reads the gradients between the two backwards?"""
     a, b = flow.records.nodes.get(first), flow.records.nodes.get(later)
-    if a is None or b is None or a[0] is not b[0] or a[1] is None or b[1] is None:
+    if a is None or b is None or a[1] is None or b[1] is None:
         return False
-    module, start, end = a[0], a[1], b[1]
-    if not (start.lineno < end.lineno):
+    if a[0] is b[0] and _text_between(a[0], a[1].lineno, b[1].lineno) is not None and \
+            enclosing_function(a[0], a[1]) is enclosing_function(b[0], b[1]):
+        text = _text_between(a[0], a[1].lineno, b[1].lineno)
+        return not _USES_GRADIENTS.search(text) and "def " not in text
+    sa, sb = flow.records.stacks.get(first), flow.records.stacks.get(later)
+    if sa is None or sb is None:
         return False
-    lines = module.text.splitlines()[start.lineno - 1:end.lineno - 1]
-    text = "\n".join(line.split("#", 1)[0] for line in lines)
-    return not _USES_GRADIENTS.search(text) and "def " not in text
+    k = 0
+    while k < len(sa) and k < len(sb) and sa[k][1] is sb[k][1]:
+        k += 1
+    rest_a, rest_b = sa[k:], sb[k:]
+    if len(rest_a) > 1 or len(rest_b) > 1 or not (rest_a or rest_b):
+        return False
+    ca, cb = (rest_a[0] if rest_a else a), (rest_b[0] if rest_b else b)
+    if ca[0] is not cb[0] or enclosing_function(ca[0], ca[1]) is not enclosing_function(cb[0], cb[1]):
+        return False
+    between = _text_between(ca[0], ca[1].lineno, cb[1].lineno)
+    if between is None or _USES_GRADIENTS.search(between) or "def " in between:
+        return False
+    if rest_a:      # the rest of the first backward's function, after it
+        fn = enclosing_function(a[0], a[1])
+        after = _text_between(a[0], a[1].lineno + 1, (fn.node.end_lineno or a[1].lineno) + 1) if fn else None
+        if fn is None or after is None or _USES_GRADIENTS.search(after):
+            return False
+    if rest_b:      # the second backward's function, up to it
+        fn = enclosing_function(b[0], b[1])
+        before = _text_between(b[0], fn.node.body[0].lineno, b[1].lineno) if fn else None
+        if fn is None or before is None or _USES_GRADIENTS.search(before) or "def " in before:
+            return False
+    return True
+
+
+def _text_between(module, start: int, end: int):
+    """The module's lines ``start`` to ``end`` (not included), comments dropped; None if empty."""
+    if not start < end:
+        return None
+    lines = module.text.splitlines()[start - 1:end - 1]
+    return "\n".join(line.split("#", 1)[0] for line in lines)
 
 
 def _all_synced(pop, groups: dict) -> Optional[list]:
