@@ -52,6 +52,8 @@ def samplers_without_set_epoch(program) -> list:
     for name in sorted(names):
         for scope, call in values.calls(name):
             module = values.module_of(scope)
+            if _under_a_false_flag(values, scope, call):
+                continue        # made only where a flag holds that every caller leaves False (WavCaps)
             for v in values.expr(call, scope):
                 if isinstance(v, Sampler) and not v.shuffle_off:
                     made.append((module, call, v, scope))
@@ -209,17 +211,30 @@ def _calls_left_unseeded(program, sampler) -> list:
 def _under_a_false_flag(values, scope, call) -> bool:
     """Is ``call`` inside an ``if flag:`` whose flag is a false constant wherever it is set: a
     parameter's default of False that no caller passes (KPGT's ``Trainer(..., ddp=False)``, built
-    by its DDP script without ``ddp=``), kept on ``self``?"""
+    by its DDP script without ``ddp=``), kept on ``self``? Or after ``if not flag: return ...`` at
+    the top of its function (WavCaps' ``_get_sampler``, whose only caller passes
+    ``is_distributed=False``)?"""
     node = getattr(scope, "node", None)
     if node is None:
         return False
     for n in walk_no_defs(node):
         if isinstance(n, ast.If) and isinstance(n.test, (ast.Name, ast.Attribute)) and \
-                any(s.lineno <= call.lineno <= (s.end_lineno or s.lineno) for s in n.body):
-            held = values.expr(n.test, scope)
-            if held and all(isinstance(v, Const) and v.value in (False, None, 0) for v in held):
-                return True
+                any(s.lineno <= call.lineno <= (s.end_lineno or s.lineno) for s in n.body) and \
+                _always_false(values, n.test, scope):
+            return True
+    for n in node.body:
+        if n.lineno >= call.lineno:
+            break
+        if isinstance(n, ast.If) and isinstance(n.test, ast.UnaryOp) and isinstance(n.test.op, ast.Not) and \
+                isinstance(n.test.operand, (ast.Name, ast.Attribute)) and n.body and \
+                isinstance(n.body[-1], (ast.Return, ast.Raise)) and _always_false(values, n.test.operand, scope):
+            return True
     return False
+
+
+def _always_false(values, test, scope) -> bool:
+    held = values.expr(test, scope)
+    return bool(held) and all(isinstance(v, Const) and v.value in (False, None, 0) for v in held)
 
 
 def _part_of_its_own_loop(scope, call) -> bool:
