@@ -89,6 +89,11 @@ def _job_test(test) -> Optional[bool]:
 def wrapper_type_test(values, test, scope) -> tuple:
     """(the name tested, the wrapper kinds of its classes) for ``isinstance(model, DDP)`` or
     ``isinstance(model, (FSDP, DDP))``; (None, set()) for any other test, or classes not all wrappers."""
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "hasattr" and \
+            len(test.args) == 2 and isinstance(test.args[1], ast.Constant) and test.args[1].value == "module" and \
+            isinstance(test.args[0], (ast.Name, ast.Attribute)) and dotted(test.args[0]):
+        # ``if hasattr(model, "module"): model = model.module``: the wrappers that hold a module
+        return dotted(test.args[0]), {"ddp", "fsdp"}
     if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name) and test.func.id == "isinstance" and
             len(test.args) == 2 and isinstance(test.args[0], (ast.Name, ast.Attribute))):
         return None, set()
