@@ -42,9 +42,10 @@ class Words:
         return found
 
     def _stepping_step_classes(self) -> bool:
-        """Does a project class have a ``step`` method that steps an optimizer (``self.scaler.step(self.optim)``,
-        ``self.optimizer.step()``)? Then ``training_scheduler.step()`` may be one (R-ESM's loss scheduler),
-        whatever its name says."""
+        """Does a project class named like a scheduler have a ``step`` method that steps an optimizer
+        (``self.scaler.step(self.optim)``, ``self.optimizer.step()``)? Then ``scheduler.step()`` may be
+        one (a loss-scaling ``Scheduler`` that owns the optimizer), whatever its name says. (An optimizer
+        wrapper's own ``step``, fairseq's ``FairseqOptimizer``, says nothing of ``lr_scheduler.step()``.)"""
         found = getattr(self, "_stepping_steps", None)
         if found is None:
             found = False
@@ -52,6 +53,8 @@ class Words:
                 if "def step" not in module.text:
                     continue
                 for klass in module.classes.values():
+                    if "sched" not in klass.node.name.lower():
+                        continue
                     method = klass.methods.get("step") if isinstance(klass.methods, dict) else None
                     if method is not None and _STEPS_AN_OPTIMIZER.search(module.segment(method.node) or ""):
                         found = True
