@@ -18,9 +18,10 @@ from synccheck.analyzer.project.guards import TRUE, exists
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.state import EnvVal, Prop, Token
 from synccheck.analyzer.project.values import ONE_UNKNOWN, Tup, Wrapper
-_UNKNOWN = EnvVal(((TRUE, ONE_UNKNOWN),))
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project.traversal import walk
+
+_UNKNOWN = EnvVal(((TRUE, ONE_UNKNOWN),))
 
 MAX_LOOP_ROUNDS = 6
 
@@ -242,7 +243,7 @@ class Loops:
             back = self.restrict(end.copy(), self.atoms.formula(last, False)) if (last is not None and end) else end
             new_head = entry if once else self.join([entry, self.back_edge(back, info, entry.env)])
             if len(rebound) > counted_rebound and not restarted and not once:
-                # the turn found counts its calls move on (back_edge): the loop starts again with
+                # the turn found counts that its calls move on (back_edge): the loop starts again with
                 # them defined at its head, as a count the loop itself moves on is from the first turn
                 restarted = True
                 entry = St(entry.props, dict(entry.env))
