@@ -43,6 +43,7 @@ def reset() -> None:
     """Forget what was read (a new lint: the files may have changed since)."""
     _CONSULTED.clear()
     _kinds_in.cache_clear()
+    _pin_in.cache_clear()
 
 
 def consulted() -> list:
@@ -94,3 +95,44 @@ def _config_folders(folder: str) -> list:
                 if _CONFIG_FOLDER.match(d) and os.path.isdir(os.path.join(folder, d))]
     except OSError:
         return []
+
+
+_PIN_FILES = ("setup.py", "setup.cfg", "pyproject.toml", "requirements.txt", "environment.yml", "environment.yaml")
+_ACCELERATE_PIN = re.compile(r"""(?im)^[^#\n]*["'\s]accelerate\s*(?:==|<=|~=|<)\s*(\d+)\.(\d+)""")
+
+
+def accelerate_pinned_before(path: Optional[str], version: tuple) -> bool:
+    """Does the project around ``path`` pin accelerate to a release before ``version`` (``setup.py``'s
+    ``"accelerate==0.17"``, a requirements file)? Read from the nearest folder, going up, that holds
+    one of the usual files; stops at a repository's root."""
+    if not path or not os.path.isfile(path):
+        return False
+    folder = os.path.dirname(os.path.abspath(path))
+    for _ in range(_LEVELS + 1):
+        pin = _pin_in(folder)
+        if pin is not None:
+            return pin < version
+        parent = os.path.dirname(folder)
+        if os.path.isdir(os.path.join(folder, ".git")) or parent == folder:
+            break
+        folder = parent
+    return False
+
+
+@lru_cache(maxsize=256)
+def _pin_in(folder: str) -> Optional[tuple]:
+    """The accelerate release pinned by the usual files of ``folder``, if any says one."""
+    for name in _PIN_FILES:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        _CONSULTED.add(path)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(_MAX_BYTES)
+        except OSError:
+            continue
+        match = _ACCELERATE_PIN.search(text)
+        if match:
+            return int(match.group(1)), int(match.group(2))
+    return None

@@ -522,7 +522,11 @@ _AUTOMATIC_NAMING = re.compile(r"automatic_checkpoint_naming\s*=\s*True")
 
 
 def _names_checkpoints(project, framework) -> bool:
-    """Was this Accelerator built in a file that turns on ``automatic_checkpoint_naming``?"""
+    """Was this Accelerator built in a file that turns on ``automatic_checkpoint_naming``, under an
+    accelerate that waits for everyone there (0.22 and later: ddpo-pytorch pins 0.17, d3po 0.22)?"""
+    from synccheck.analyzer.project.launch_configs import accelerate_pinned_before
+
     site = getattr(framework, "site", None)
     module = project.module_at(site[0]) if site else None
-    return module is not None and _AUTOMATIC_NAMING.search(module.text) is not None
+    return module is not None and _AUTOMATIC_NAMING.search(module.text) is not None and \
+        not accelerate_pinned_before(module.path, (0, 22))

@@ -52,8 +52,6 @@ def samplers_without_set_epoch(program) -> list:
     for name in sorted(names):
         for scope, call in values.calls(name):
             module = values.module_of(scope)
-            if _under_a_false_flag(values, scope, call):
-                continue        # made only where a flag holds that every caller leaves False (WavCaps)
             for v in values.expr(call, scope):
                 if isinstance(v, Sampler) and not v.shuffle_off:
                     made.append((module, call, v, scope))
@@ -212,8 +210,7 @@ def _under_a_false_flag(values, scope, call) -> bool:
     """Is ``call`` inside an ``if flag:`` whose flag is a false constant wherever it is set: a
     parameter's default of False that no caller passes (KPGT's ``Trainer(..., ddp=False)``, built
     by its DDP script without ``ddp=``), kept on ``self``? Or after ``if not flag: return ...`` at
-    the top of its function (WavCaps' ``_get_sampler``, whose only caller passes
-    ``is_distributed=False``)?"""
+    the top of its function?"""
     node = getattr(scope, "node", None)
     if node is None:
         return False
@@ -233,8 +230,87 @@ def _under_a_false_flag(values, scope, call) -> bool:
 
 
 def _always_false(values, test, scope) -> bool:
+    """Is the flag false wherever it is set, as the callers in view set it? A parameter (or an
+    attribute stored from one in ``__init__``) is false only when every caller in view passes a false
+    constant or leaves a false default, read from the calls themselves (a keyword-only parameter
+    after ``*args`` included); with no caller in view it may hold anything."""
     held = values.expr(test, scope)
-    return bool(held) and all(isinstance(v, Const) and v.value in (False, None, 0) for v in held)
+    if not held or not all(isinstance(v, Const) and v.value in (False, None, 0) for v in held):
+        return False
+    found = _setting_function(test, scope)
+    if found is None:
+        return True
+    fn, param = found
+    if _referenced_as_a_value(values.project, fn):
+        return False        # ``mp.spawn(train_worker, args=(..., True))``: called where we cannot see
+    callers = values.callers(fn)
+    return bool(callers) and all(_passes_false(fn, param, call, shift) for _, call, shift in callers)
+
+
+def _referenced_as_a_value(project, fn) -> bool:
+    """Is the function (the class, for an ``__init__``) named anywhere but at its calls and its
+    definition: handed to ``mp.spawn``, a registry, a callback list?"""
+    name = fn.cls.node.name if fn.node.name == "__init__" and fn.cls is not None else fn.node.name
+    bare = re.compile(r"(?<![\w.])" + re.escape(name) + r"\b(?!\s*\()")
+    for module in project.modules():
+        if name not in module.text:
+            continue
+        for match in bare.finditer(module.text):
+            line = module.text.count("\n", 0, match.start()) + 1
+            head = module.text[module.text.rfind("\n", 0, match.start()) + 1:match.start()]
+            if head.lstrip().startswith(("def ", "class ", "async def ", "#", "import ", "from ")) or \
+                    (module is fn.module and line == fn.node.lineno):
+                continue
+            return True
+    return False
+
+
+def _passes_false(fn, param: str, call, shift: int) -> bool:
+    """Does this call leave ``param`` false: a false constant passed, or not passed over a false
+    default? (Read from the call itself: a keyword-only parameter after ``*args`` included.)"""
+    node = fn.node
+    for kw in call.keywords:
+        if kw.arg == param:
+            return isinstance(kw.value, ast.Constant) and kw.value.value in (False, None, 0)
+        if kw.arg is None:
+            return False        # ``**kwargs`` may hold it
+    positional = [a.arg for a in node.args.posonlyargs + node.args.args]
+    if param in positional:
+        index = positional.index(param) - shift
+        if any(isinstance(a, ast.Starred) for a in call.args[:max(index + 1, 0)]):
+            return False
+        if 0 <= index < len(call.args):
+            value = call.args[index]
+            return isinstance(value, ast.Constant) and value.value in (False, None, 0)
+        defaults = node.args.defaults
+        offset = len(positional) - len(defaults)
+        at = positional.index(param) - offset
+        default = defaults[at] if 0 <= at < len(defaults) else None
+    else:
+        kwonly = [a.arg for a in node.args.kwonlyargs]
+        if param not in kwonly:
+            return False
+        default = node.args.kw_defaults[kwonly.index(param)]
+    return isinstance(default, ast.Constant) and default.value in (False, None, 0)
+
+
+def _setting_function(test, scope):
+    """(function, parameter) the flag is: ``scope``'s own parameter, or the class's ``__init__``
+    parameter that ``self.flag`` is stored from; None for anything else."""
+    if not isinstance(scope, Function):
+        return None
+    if isinstance(test, ast.Name):
+        names = [a.arg for a in scope.node.args.posonlyargs + scope.node.args.args + scope.node.args.kwonlyargs]
+        return (scope, test.id) if test.id in names else None
+    if isinstance(test, ast.Attribute) and isinstance(test.value, ast.Name) and scope.cls is not None and \
+            scope.params and test.value.id == scope.params[0]:
+        init = scope.cls.methods.get("__init__")
+        if isinstance(init, Function):
+            for n in walk_no_defs(init.node):
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id in init.params and \
+                        any(isinstance(t, ast.Attribute) and t.attr == test.attr for t in n.targets):
+                    return init, n.value.id
+    return None
 
 
 def _part_of_its_own_loop(scope, call) -> bool:
