@@ -55,7 +55,7 @@ class Words:
                 for klass in module.classes.values():
                     if "sched" not in klass.node.name.lower():
                         continue
-                    method = klass.methods.get("step") if isinstance(klass.methods, dict) else None
+                    method = klass.methods.get("step")
                     if method is not None and _STEPS_AN_OPTIMIZER.search(module.segment(method.node) or ""):
                         found = True
                         break

@@ -319,19 +319,15 @@ class _RankChecker(RankTests):
                     return _kind(vocab.tail(v.qualname))
             return None
         attr = func.attr
-        if attr == "save_state" and _runs_deepspeed(self.values.module_of(scope)):
-            # ``accelerator.save_state(path)`` under DeepSpeed saves through every engine's
-            # ``save_checkpoint``, which starts with a barrier (accelerate#1171, diffusers#2606)
-            receiver = self.values.expr(func.value, scope)
-            if any(isinstance(v, Framework) and v.kind == "accelerate" for v in receiver):
-                return "save_state"
-            return None
         if attr == "save_state":
-            # ``ProjectConfiguration(automatic_checkpoint_naming=True)``: save_state numbers the
-            # checkpoint folder and then calls ``wait_for_everyone()`` (accelerate's save_state; Emuru)
+            # ``accelerator.save_state(path)`` under DeepSpeed saves through every engine's
+            # ``save_checkpoint``, which starts with a barrier (accelerate#1171, diffusers#2606); with
+            # ``ProjectConfiguration(automatic_checkpoint_naming=True)`` it numbers the checkpoint
+            # folder and then calls ``wait_for_everyone()`` (accelerate's save_state; Emuru)
+            deepspeed = _runs_deepspeed(self.values.module_of(scope))
             receiver = self.values.expr(func.value, scope)
-            if any(isinstance(v, Framework) and v.kind == "accelerate" and _names_checkpoints(self.values.project, v)
-                   for v in receiver):
+            if any(isinstance(v, Framework) and v.kind == "accelerate" and
+                   (deepspeed or _names_checkpoints(self.values.project, v)) for v in receiver):
                 return "save_state"
             return None
         if attr in ("save", "load"):

@@ -10,6 +10,7 @@ from synccheck.analyzer.project.dead_code import class_never_made, never_runs
 from synccheck.analyzer.project.definitions import Function, called_name, is_super_call
 from synccheck.analyzer.project.traversal import walk, walk_no_defs
 from synccheck.analyzer.project.unwrapped import _text
+from synccheck.analyzer.project.value_helpers import parameter_default
 from synccheck.analyzer.project.values import Const, Ext, Framework, Loader, Obj, Sampler, Unknown
 from synccheck.analyzer.project.sampler_loops import (_EVALUATION, _EVALUATION_FUNCTION, _builder_shared,
                                                       _follow_loaders, _has_epoch_loop, _import_related,
@@ -271,7 +272,7 @@ def _passes_false(fn, param: str, call, shift: int) -> bool:
     node = fn.node
     for kw in call.keywords:
         if kw.arg == param:
-            return isinstance(kw.value, ast.Constant) and kw.value.value in (False, None, 0)
+            return _false_constant(kw.value)
         if kw.arg is None:
             return False        # ``**kwargs`` may hold it
     positional = [a.arg for a in node.args.posonlyargs + node.args.args]
@@ -280,18 +281,12 @@ def _passes_false(fn, param: str, call, shift: int) -> bool:
         if any(isinstance(a, ast.Starred) for a in call.args[:max(index + 1, 0)]):
             return False
         if 0 <= index < len(call.args):
-            value = call.args[index]
-            return isinstance(value, ast.Constant) and value.value in (False, None, 0)
-        defaults = node.args.defaults
-        offset = len(positional) - len(defaults)
-        at = positional.index(param) - offset
-        default = defaults[at] if 0 <= at < len(defaults) else None
-    else:
-        kwonly = [a.arg for a in node.args.kwonlyargs]
-        if param not in kwonly:
-            return False
-        default = node.args.kw_defaults[kwonly.index(param)]
-    return isinstance(default, ast.Constant) and default.value in (False, None, 0)
+            return _false_constant(call.args[index])
+    return _false_constant(parameter_default(node, param))
+
+
+def _false_constant(node) -> bool:
+    return isinstance(node, ast.Constant) and node.value in (False, None, 0)
 
 
 def _setting_function(test, scope):

@@ -186,16 +186,16 @@ def _under_deepspeed(program, receiver, named) -> bool:
     (accelerate's no_sync does nothing there)? Its models are DeepSpeed engines, or the function that
     builds it reads the DeepSpeed plugin, or every launch configuration the project ships is
     DeepSpeed's."""
-    from synccheck.analyzer.project.value_frameworks import launched_with_deepspeed, reads_the_plugin
+    from synccheck.analyzer.project.value_frameworks import call_at, launched_with_deepspeed, reads_the_plugin
 
     if any(w.kind == "deepspeed" for w in program.wrappers(named)):
         return True
     for framework in receiver:
-        site = getattr(framework, "site", None) if isinstance(framework, Framework) else None
-        module = program.project.module_at(site[0]) if site and len(site) >= 3 else None
-        made = module.call_at(site[1], site[2]) if module is not None and isinstance(site[1], int) else None
+        site = framework.site if isinstance(framework, Framework) else None
+        made = call_at(program.project, site)
         if made is None:
             continue
+        module = program.project.module_at(site[0])
         scope = enclosing_function(module, made)
         if reads_the_plugin(scope) or launched_with_deepspeed(scope or module):
             return True

@@ -266,10 +266,5 @@ def _plugs_deepspeed(call) -> bool:
 
 def call_at(project, site):
     """The call at a value's site ``(path, line, column, ...)``, if its module is parsed."""
-    module = project.module_at(site[0]) if site else None
-    if module is None:
-        return None
-    for node in ast.walk(module.tree):
-        if isinstance(node, ast.Call) and node.lineno == site[1] and node.col_offset == site[2]:
-            return node
-    return None
+    module = project.module_at(site[0]) if site and len(site) >= 3 else None
+    return module.call_at(site[1], site[2]) if module is not None else None

@@ -6,6 +6,7 @@ Importing a rule module must stay cheap: no libcst, no torch (``synccheck rule S
 """
 from __future__ import annotations
 
+import ast
 import re
 import textwrap
 from typing import ClassVar, Iterable
@@ -81,3 +82,14 @@ class Rule:
             for code in EXPECT.findall(line):
                 out.add((number, code))
         return out
+
+
+def accumulate_calls_around(tree, node) -> list:
+    """The ``x.accumulate(...)`` calls that the ``with`` statements of ``tree`` whose lines hold
+    ``node`` enter, outermost first (SC101 names the context, SC201 asks what its Accelerator was given)."""
+    out = []
+    for w in ast.walk(tree):
+        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno):
+            out += [i.context_expr for i in w.items if isinstance(i.context_expr, ast.Call) and
+                    isinstance(i.context_expr.func, ast.Attribute) and i.context_expr.func.attr == "accumulate"]
+    return out

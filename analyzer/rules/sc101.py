@@ -1,6 +1,4 @@
-import ast
-
-from synccheck.analyzer.rules.base import Rule
+from synccheck.analyzer.rules.base import Rule, accumulate_calls_around
 
 FIX = ("run the forward and backward of every micro-step but the last inside `model.no_sync()` "
        "(or use `synccheck.runtime.GradientAccumulator`, or `accelerator.accumulate(model)`)")
@@ -210,13 +208,8 @@ def _inside_accumulate(module, node):
     reported line is in; None if it is in none."""
     if module is None or node is None:
         return None
-    for w in ast.walk(module.tree):
-        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno):
-            for i in w.items:
-                if isinstance(i.context_expr, ast.Call) and isinstance(i.context_expr.func, ast.Attribute) and \
-                        i.context_expr.func.attr == "accumulate":
-                    return i.context_expr
-    return None
+    calls = accumulate_calls_around(module.tree, node)
+    return calls[0] if calls else None
 
 
 def _given_a_list(program, module, call) -> bool:

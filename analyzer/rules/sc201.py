@@ -1,4 +1,4 @@
-from synccheck.analyzer.rules.base import Rule
+from synccheck.analyzer.rules.base import Rule, accumulate_calls_around
 
 
 class ZeroGradEveryMicrostep(Rule):
@@ -103,21 +103,14 @@ class ZeroGradEveryMicrostep(Rule):
 def _inside_an_accumulate_that_never_accumulates(program, module, node) -> bool:
     """Is ``node`` inside ``with accelerator.accumulate(...)`` of an Accelerator built without
     gradient_accumulation_steps? Every micro-batch is then a step of its own (SC105's finding)."""
-    import ast
-
     from synccheck.analyzer.project.definitions import enclosing_function
     from synccheck.analyzer.project.values import Framework
 
     if module is None or node is None:
         return False
     scope = enclosing_function(module, node) or module
-    tree = getattr(scope, "node", None) or module.tree
-    for w in ast.walk(tree):
-        if isinstance(w, (ast.With, ast.AsyncWith)) and w.lineno <= node.lineno <= (w.end_lineno or w.lineno):
-            for item in w.items:
-                call = item.context_expr
-                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "accumulate":
-                    held = [v for v in program.values.expr(call.func.value, scope) if isinstance(v, Framework)]
-                    if held and all(v.kind == "accelerate" and v.accumulates == "no" for v in held):
-                        return True
+    for call in accumulate_calls_around(getattr(scope, "node", None) or module.tree, node):
+        held = [v for v in program.values.expr(call.func.value, scope) if isinstance(v, Framework)]
+        if held and all(v.kind == "accelerate" and v.accumulates == "no" for v in held):
+            return True
     return False
