@@ -139,11 +139,16 @@ def _is_python(document: dict) -> bool:
 
 def python_lines(cell: List[str]) -> List[str]:
     """The cell's lines with IPython syntax replaced, one line out for each line in."""
-    if cell and cell[0].lstrip().startswith("%%"):
-        name = cell[0].lstrip()[2:].split(None, 1)[0] if cell[0].lstrip()[2:].strip() else ""
+    # (Colab lets comments come before a cell magic: ``# CI checks`` then ``%%shell``)
+    lead = 0
+    while lead < len(cell) - 1 and (not cell[lead].strip() or cell[lead].lstrip().startswith("#")):
+        lead += 1
+    if cell and cell[lead].lstrip().startswith("%%"):
+        magic = cell[lead].lstrip()[2:]
+        name = magic.split(None, 1)[0] if magic.strip() else ""
         if name not in PYTHON_CELL_MAGICS:
             return [""] * len(cell)          # %%bash, %%writefile, %%html...: not Python at all
-        return [""] + python_lines(cell[1:])
+        return [""] * (lead + 1) + python_lines(cell[lead + 1:])
     out: List[str] = []
     scanner = _Scanner()
     shell_continues = False         # ``!python train.py \`` goes on on the next line

@@ -84,6 +84,10 @@ def test_magics_do_not_break_the_parse(tmp_path):
     (["out = !ls"], ["out = None"]),
     (["%%bash", "ls -la", "echo 'x"], ["", "", ""]),
     (["%%time", "%time f()", "g()"], ["", "pass", "g()"]),
+    # Colab runs a cell magic after comment lines (yolov5's tutorial: ``# CI Checks`` then ``%%shell``)
+    (["# CI Checks", "", "%%shell", "export X=\"$PWD\"", "for m in a; do"], ["", "", "", "", ""]),
+    (["# timed", "%%time", "g()"], ["", "", "g()"]),
+    (["# a comment", "x = 1"], ["# a comment", "x = 1"]),
     # a shell command continued over several lines (ABCD-3DCNN's notebooks): every line is the command's
     (["!python train.py \\", "  --lr 0.1 \\", "  --epochs 3", "x = 1"], ["pass", "", "", "x = 1"]),
 ])
