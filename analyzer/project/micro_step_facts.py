@@ -217,10 +217,15 @@ def _text_between(module, start: int, end: int):
 
 
 def _all_synced(pop, groups: dict) -> Optional[list]:
+    """The backwards of every gate group whose micro-steps all sync (each side of ``if use_apex:
+    scaler.scale(loss).backward() ... else: loss.backward()`` is reported); None when no group does."""
+    out, seen = [], set()
     for group, outcomes in groups.items():
         if outcomes and all(t.synced == "on" for t, _, _ in outcomes):
-            return [(site, pop.model, pop, group) for site in sorted({t.site for t, kind, _ in outcomes})]
-    return None
+            out += [(site, pop.model, pop, group) for site in sorted({t.site for t, kind, _ in outcomes})
+                    if site not in seen]
+            seen.update(t.site for t, _, _ in outcomes)
+    return out or None
 
 
 # a switch about the wrapper or its sync (``has_no_sync``, ``args.data_parallel in ["sdp", "fsdp"]``)
