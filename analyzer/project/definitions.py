@@ -94,6 +94,22 @@ class Function:
         exc = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
         return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
 
+    @property
+    def stub(self) -> bool:
+        """A hook a base class leaves empty for its subclasses: its body (past a docstring) is only
+        ``pass``, ``...`` or a bare ``return`` (``def train_one_step(self, ...): pass``)."""
+        body = self.node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            body = body[1:]
+        if len(body) != 1:
+            return not body
+        stmt = body[0]
+        return isinstance(stmt, ast.Pass) or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+                                              and stmt.value.value is Ellipsis) or \
+            (isinstance(stmt, ast.Return) and (stmt.value is None or
+                                               isinstance(stmt.value, ast.Constant) and stmt.value.value is None))
+
     def __hash__(self) -> int:
         return self._hash
 

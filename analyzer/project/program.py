@@ -22,6 +22,10 @@ from synccheck.analyzer.project.wrapped_models import WrappedModels
 from synccheck.analyzer.project.program_words import (EVENT_CALLS, MAX_ROOT_WORK, ROOT_WORDS, STEP_WORDS,  # noqa: F401
                                                       SYNC_WORDS, WRAP_CALLS, Words)
 
+# a base class's method analysed once per concrete subclass it runs on: at most this many (_receivers)
+MAX_RECEIVERS = 4
+
+
 class Program(Words, WrappedModels):
     def __init__(self, project: Project) -> None:
         self.project = project
@@ -87,16 +91,31 @@ class Program(Words, WrappedModels):
                 if work > MAX_ROOT_WORK:
                     self.incomplete.append(root)
                     continue
-                try:
-                    flow = Flow(self, root).run()
-                except RecursionError:
-                    self.incomplete.append(root)
-                    continue
-                work += flow.work
-                if flow.incomplete:
-                    self.incomplete.append(root)
-                self._flows.append(flow)
+                for receiver in self._receivers(root):
+                    try:
+                        flow = Flow(self, root, receiver).run()
+                    except RecursionError:
+                        self.incomplete.append(root)
+                        continue
+                    work += flow.work
+                    if flow.incomplete:
+                        self.incomplete.append(root)
+                    self._flows.append(flow)
         return self._flows
+
+    def _receivers(self, root) -> list:
+        """The instances a root runs on, one analysis each: a base class's method whose class leaves
+        hooks to its subclasses (``self.train_one_step(...)``, ``criterion = self.get_criterion()``
+        filled in each of three ``TrainTester`` subclasses) runs on each of them apart, so the
+        criterion one builds meets only its own step. [None] (``self`` as the values say) otherwise."""
+        if not isinstance(root, Function) or not root.is_method or not root.params:
+            return [None]
+        held = self.values.parameter(root, root.params[0])
+        classes = [v for v in held if isinstance(v, Inst)]
+        if not 1 < len(classes) <= MAX_RECEIVERS or len(classes) != len(held) or \
+                not self.values.leaves_a_hook(root.cls):
+            return [None]
+        return sorted(classes, key=lambda v: v.cls.uid)
 
     def roots(self) -> list:
         """Functions and script bodies of linted modules whose loop reaches a backward. Looking at one

@@ -139,12 +139,14 @@ class Words:
                 found = self.project.attribute(scope.cls, func.attr)
                 if isinstance(found, Function) and found.is_property:
                     return None                  # ``self._pytorch_model(batch)``: what the property returns is called
-                if isinstance(found, Function) and found.abstract:
-                    # a hook the subclasses fill: what runs is their overrides
+                if isinstance(found, Function) and (found.abstract or found.stub):
+                    # a hook the subclasses fill (``raise NotImplementedError``, or left empty): what
+                    # runs is their overrides
                     out = []
                     for sub in self.project.subclasses(scope.cls):
                         override = self.project.attribute(sub, func.attr)
-                        if isinstance(override, Function) and not override.abstract and override not in out:
+                        if isinstance(override, Function) and not override.abstract and not override.stub and \
+                                override not in out:
                             out.append(override)
                     return out or [found]
                 if isinstance(found, Function):

@@ -55,8 +55,10 @@ UNKNOWN_VAL = EnvVal(((TRUE, ONE_UNKNOWN),))
 class Flow(Branches, Loops):
     """The analysis of one root."""
 
-    def __init__(self, program, root) -> None:
+    def __init__(self, program, root, receiver=None) -> None:
         self.program = program
+        # the instance a base class's method runs on, when it is analysed once per concrete subclass
+        self.receiver = receiver
         self.values = program.values
         self.project = program.project
         self.root = root
@@ -131,6 +133,8 @@ class Flow(Branches, Loops):
         if isinstance(scope, Function):
             for name in scope.params:
                 st.env[name] = EnvVal(((TRUE, self.values.parameter(scope, name)),))
+            if self.receiver is not None:
+                st.env[scope.params[0]] = EnvVal(((TRUE, frozenset((self.receiver,))),))
         try:
             self.block(body, st, fr)
         except RecursionError:

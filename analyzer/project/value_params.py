@@ -168,7 +168,7 @@ class ParameterValues:
         (``def loss_fn(self, batch): raise NotImplementedError``) is not one when a subclass fills
         them all (its empty ``on_before_forward`` is not what runs for the subclass that zeroes the
         gradients there). All of them when none is concrete."""
-        concrete = [k for k in classes if not self._leaves_a_hook(k)]
+        concrete = [k for k in classes if not self.leaves_a_hook(k)]
         if not concrete and len(classes) > 1:
             # every one leaves some hook (a leaf that overrides ``compute_loss`` keeps the middle class's
             # unfilled ``loss_fn``, which it never calls): the ones the project makes
@@ -187,13 +187,22 @@ class ParameterValues:
                                            for _, call in self.calls(name, load=load))
         return found
 
-    def _leaves_a_hook(self, klass) -> bool:
+    def leaves_a_hook(self, klass) -> bool:
+        """Does the class leave a method to its subclasses: one that only raises NotImplementedError,
+        or one it leaves empty (``pass``) that a subclass fills?"""
         key = ("leaves a hook", klass.uid)
         found = self._plain.get(key)
         if found is None:
             names = {name for k in self.project.mro(klass) for name in k.methods}
-            found = self._plain[key] = any(
-                isinstance(m, Function) and m.abstract for m in (self.project.attribute(klass, n) for n in names))
+            methods = [m for m in (self.project.attribute(klass, n) for n in names) if isinstance(m, Function)]
+            found = any(m.abstract for m in methods)
+            if not found:
+                stubs = {m.node.name: m for m in methods if m.stub and not m.node.name.startswith("__")}
+                found = bool(stubs) and any(
+                    any(isinstance(o := self.project.attribute(sub, name), Function) and o is not stub and
+                        not o.stub for name, stub in stubs.items())
+                    for sub in self.project.subclasses(klass) if sub is not klass)
+            self._plain[key] = found
         return found
 
     def _spread_keyword(self, call, name: str, scope):
