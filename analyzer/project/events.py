@@ -96,6 +96,37 @@ _WORLD_SIZE = re.compile(r"^(?:[\w.]*\.)?(?:world_size|get_world_size\(\)|num_gp
                          r"world|nprocs|num_replicas)$", re.I)
 
 
+def _attribute(flow, node, recv: EnvVal, st, fr, version=0) -> EnvVal:
+    receivers = recv.values
+    if len(receivers) > 1 and _NONE in receivers:
+        receivers = receivers - {_NONE}      # ``model=None`` by default: an attribute of it is another path's
+    test = _property_test(flow, node, receivers, st, fr)
+    if test is not None:
+        return test
+    vals = flow.values.attribute(receivers, node.attr, node, fr.scope)
+    if node.attr == "no_sync" and not any(isinstance(v, Inst) and flow.project.attribute(v.cls, "no_sync")
+                                          is not None for v in recv.values):
+        vals = frozenset(v for v in vals if not isinstance(v, CtxFactory)) | {
+            FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node), _text(fr, node))}
+    return EnvVal(((TRUE, vals),), recv.prov, recv.scaled, None, version)
+
+
+def _no_sync_by_alts(flow, node, recv: EnvVal, st, fr) -> Optional[EnvVal]:
+    """``model.no_sync`` where ``model`` is the DDP wrapper on some paths and the plain module on the
+    others (``if args.local_rank != -1: model = DDP(model)``): the sync control on the wrapper's paths
+    only, so that two ``with sync_context():`` in one micro-step pick the same one. None when the
+    paths overlap or every path holds the same values."""
+    formulas = [f for f, _ in recv.alts]
+    if len({v for _, v in recv.alts}) < 2 or \
+            any(formulas[i] & formulas[j] for i in range(len(formulas)) for j in range(i + 1, len(formulas))):
+        return None
+    alts = []
+    for formula, vals in recv.alts:
+        part = EnvVal(((TRUE, vals),), recv.prov, recv.scaled, None, 0)
+        alts.extend((formula & g, v) for g, v in _attribute(flow, node, part, st, fr).alts if formula & g)
+    return EnvVal(tuple(alts), recv.prov, recv.scaled, None, 0)
+
+
 def expr(flow, node, st, fr) -> EnvVal:
     t = type(node)
     if node is None:
@@ -110,19 +141,11 @@ def expr(flow, node, st, fr) -> EnvVal:
         if dotted is not None and dotted in st.env:
             return st.env[dotted]
         recv = expr(flow, node.value, st, fr)
-        receivers = recv.values
-        if len(receivers) > 1 and _NONE in receivers:
-            receivers = receivers - {_NONE}      # ``model=None`` by default: an attribute of it is another path's
-        test = _property_test(flow, node, receivers, st, fr)
-        if test is not None:
-            return test
-        vals = flow.values.attribute(receivers, node.attr, node, fr.scope)
-        if node.attr == "no_sync" and not any(isinstance(v, Inst) and flow.project.attribute(v.cls, "no_sync")
-                                              is not None for v in recv.values):
-            vals = frozenset(v for v in vals if not isinstance(v, CtxFactory)) | {
-                FlowFactory("off", flow.program.wrappers(recv.values), site_of(fr.module, node), _text(fr, node))}
-        version = st.env[dotted].version if dotted in st.env else 0
-        return EnvVal(((TRUE, vals),), recv.prov, recv.scaled, None, version)
+        if node.attr == "no_sync" and len(recv.alts) > 1:
+            split = _no_sync_by_alts(flow, node, recv, st, fr)
+            if split is not None:
+                return split
+        return _attribute(flow, node, recv, st, fr, st.env[dotted].version if dotted in st.env else 0)
     if t is ast.Call:
         return call(flow, node, st, fr)
     if t is ast.BinOp:
