@@ -214,21 +214,32 @@ def _in_a_prepared_container(program, target, scope=None) -> Optional[Wrapper]:
         return None
     text = ast.unparse(target)
     for inner, wrappers in program.wrapping().items():
-        site = getattr(inner, "site", None)
-        if not isinstance(inner, Obj) or not site or len(site) < 3 or not isinstance(site[1], int):
-            continue
+        for module, made in _made_at(program, inner, scope if isinstance(target, ast.Name) else None):
+            if isinstance(target, ast.Name) and not (module is scope.module and
+                                                     scope.node.lineno <= made.lineno <= scope.node.end_lineno):
+                continue
+            for arg in list(made.args) + [k.value for k in made.keywords]:
+                if any(isinstance(n, ast.Attribute) and (ast.unparse(n) == text or ast.unparse(n.value) == text)
+                       for n in walk(arg)):
+                    return sorted(wrappers, key=repr)[0]
+    return None
+
+
+def _made_at(program, inner, scope) -> list:
+    """(module, call) where a value that was later wrapped was made, with arguments: its own site for
+    an object of an outside class; for an instance of a project class (a repository's own copy of
+    diffusers' ``AttnProcsLayers``), the calls of that class in ``scope``."""
+    site = getattr(inner, "site", None)
+    if isinstance(inner, Obj) and site and len(site) >= 3 and isinstance(site[1], int):
         module = program.project.module_at(site[0])
         made = module.call_at(site[1], site[2]) if module is not None else None
-        if made is None or not made.args:
-            continue
-        if isinstance(target, ast.Name) and not (module is scope.module and
-                                                 scope.node.lineno <= made.lineno <= scope.node.end_lineno):
-            continue
-        for arg in list(made.args) + [k.value for k in made.keywords]:
-            if any(isinstance(n, ast.Attribute) and (ast.unparse(n) == text or ast.unparse(n.value) == text)
-                   for n in walk(arg)):
-                return sorted(wrappers, key=repr)[0]
-    return None
+        return [(module, made)] if made is not None and made.args else []
+    if isinstance(inner, Inst) and scope is not None and hasattr(scope, "node"):
+        name = inner.cls.node.name
+        return [(scope.module, n) for n in walk(scope.node) if isinstance(n, ast.Call) and n.args and
+                (isinstance(n.func, ast.Name) and n.func.id == name or
+                 isinstance(n.func, ast.Attribute) and n.func.attr == name)]
+    return []
 
 
 def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
@@ -248,9 +259,29 @@ def _holds_wrapper(program, scope, target) -> Optional[Wrapper]:
             if wrappers:
                 held = sorted(wrappers, key=repr)[0]
         if held is None:
+            held = _stored_wrapper(program, scope, target.id)
+        if held is None:
             return None
         found = held
     return found
+
+
+def _stored_wrapper(program, scope, name: str):
+    """The wrapper stored as an attribute or item of a fresh object after it is made (``model =
+    torch.nn.Module(); model.unet = unet; model.projector = projector`` with both prepared): the
+    object holds the wrappers but is none of them."""
+    node = getattr(scope, "node", None)
+    if node is None:
+        return None
+    for stmt in walk(node):
+        if not isinstance(stmt, ast.Assign):
+            continue
+        for t in stmt.targets:
+            if isinstance(t, (ast.Attribute, ast.Subscript)) and isinstance(t.value, ast.Name) and t.value.id == name:
+                wrappers = program.wrappers(program.values.expr(stmt.value, scope))
+                if wrappers:
+                    return sorted(wrappers, key=repr)[0]
+    return None
 
 
 def _is_wrapping_call(call: ast.Call) -> bool:
