@@ -134,7 +134,8 @@ def samplers_without_set_epoch(program) -> list:
                 # a builder function (``get_loader(args)`` in utils/data_utils.py): the fix belongs in the
                 # epoch loop of the script that takes its loader, so that script is told too
                 sites += [site for site in _takers(program, sampler)
-                          if site[0] is not module and _loops_over_epochs(site[0])]
+                          if site[0] is not module and _loops_over_epochs(site[0]) and
+                          not _left_off_by(program, scope, call, site)]
             if isinstance(scope, Function) and scope.cls is None or scope is module:
                 if len(sites) == 1:
                     # ``train(model, train_dataloader, ...)`` of another file loops over the epochs
@@ -153,7 +154,7 @@ def samplers_without_set_epoch(program) -> list:
             # ``train_loader.sampler.set_epoch`` beside a shared ``create_sampler``) may reseed the
             # samplers of its own script and of the scripts it imports or is imported by
             sites = [site for site in _takers(program, sampler)
-                     if site[0] is not module and not any(m is module or m is site[0] or _import_related(m, site[0])
+                     if site[0] is not module and not _left_off_by(program, scope, call, site) and not any(m is module or m is site[0] or _import_related(m, site[0])
                                                           for m in seeded.get(sampler, set()) | unknown_in) and
                      _loops_over_epochs(site[0])]
         if not sites and sampler in seeded:
@@ -246,6 +247,32 @@ def _always_false(values, test, scope) -> bool:
         return False        # ``mp.spawn(train_worker, args=(..., True))``: called where we cannot see
     callers = values.callers(fn)
     return bool(callers) and all(_passes_false(fn, param, call, shift) for _, call, shift in callers)
+
+
+def _left_off_by(program, builder, sampler_call, site) -> bool:
+    """Does the taker's call of the builder leave off the flag the sampler is made under (``if
+    multi_gpu is True: ... DistributedSampler(...)`` in ``build_loader``, called with
+    ``multi_gpu=False`` by the single-GPU script)? Its loader draws from a plain sampler."""
+    taker = site[1]
+    if not isinstance(builder, Function) or not isinstance(taker, ast.Call):
+        return False
+    flags = [n.test.left if isinstance(n.test, ast.Compare) else n.test for n in walk_no_defs(builder.node)
+             if isinstance(n, ast.If) and _flag_test(n.test) and
+             any(s.lineno <= sampler_call.lineno <= (s.end_lineno or s.lineno) for s in n.body)]
+    params = [f.id for f in flags if isinstance(f, ast.Name) and f.id in builder.params]
+    if not params or builder not in program.call_targets(taker, site[3]):
+        return False
+    shift = 1 if builder.is_method else 0
+    return any(_passes_false(builder, param, taker, shift) for param in params)
+
+
+def _flag_test(test) -> bool:
+    """``if flag:``, ``if flag is True:``, ``if flag == True:``."""
+    if isinstance(test, ast.Name):
+        return True
+    return isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1 and \
+        isinstance(test.ops[0], (ast.Is, ast.Eq)) and isinstance(test.comparators[0], ast.Constant) and \
+        test.comparators[0].value is True
 
 
 def _referenced_as_a_value(project, fn) -> bool:
