@@ -133,7 +133,21 @@ class UnsyncedStep(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan
+        from synccheck.analyzer.project.discarded import discarded_wrappers
         from synccheck.analyzer.project.micro_step_facts import unsynced_steps
+
+        for found in discarded_wrappers(ctx.program):
+            built = f"`{found.helper}(...)` returns the wrapper it builds around `{found.model}`, but it" \
+                if found.helper else "the wrapper built here"
+            ctx.report(self, found.module, found.node,
+                       f"{built} is thrown away: `{found.model}` goes on training unwrapped, so no backward "
+                       f"ever all-reduces and the optimizer steps on each rank's own gradients; the replicas "
+                       f"silently diverge",
+                       f"keep the wrapper and train through it: `{found.model} = {ctx.text(found.module, found.node)}`"
+                       if "\n" not in ctx.text(found.module, found.node) else
+                       f"keep the wrapper and train through it: `{found.model} = ...(...)`",
+                       autofix=lambda: {"reason": "which of the later uses of the model should go through the "
+                                                  "wrapper is for you to decide"})
 
         for flow in ctx.flows:
             for step_site, token, outcomes, group in unsynced_steps(flow):
