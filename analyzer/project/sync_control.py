@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 
 from synccheck.analyzer.project import vocabulary as vocab
+from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import Control, EnvVal
 from synccheck.analyzer.project.traversal import walk
 from synccheck.analyzer.project.definitions import Function
@@ -112,6 +113,24 @@ def _enter(flow, s, i: int, st, fr, owner: int):
             # loss scale, which the step undoes; for accumulation it is still ``loss``
             bound = expr(flow, ctx.args[0], st, fr)
         assign(flow, item.optional_vars, bound, s, st, fr)
+    if len(value.alts) > 1 and any(isinstance(v, FlowHelper) for v in vals) and \
+            not all(any(isinstance(v, FlowHelper) for v in alt) for _, alt in value.alts):
+        formulas = [f for f, _ in value.alts]
+        if not any(formulas[a] & formulas[b] for a in range(len(formulas)) for b in range(a + 1, len(formulas))):
+            # ``with model.no_sync() if not boundary else noop():`` (a project @contextmanager that only
+            # yields): each side is entered on its own paths
+            outs = []
+            for formula, alt in value.alts:
+                part = flow.restrict(st.copy(), formula)
+                if part is not None and part.props:
+                    outs.append(_entered(flow, s, i, item, value._replace(alts=((TRUE, alt),)), part, fr, owner))
+            return flow.join(outs)
+    return _entered(flow, s, i, item, value, st, fr, owner)
+
+
+def _entered(flow, s, i: int, item, value, st, fr, owner: int):
+    """The rest of ``_enter`` once item i's value is known: the context it makes, then the rest."""
+    vals = value.values
     if any(isinstance(v, FlowCtx) and v.effect == "nograd" for v in vals) or _is_no_grad_call(flow, item, fr):
         fr.no_grad += 1
         try:
