@@ -14,6 +14,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function, is_super_call
 from synccheck.analyzer.project.scopes import ITEM, scope_attribute_stores
+from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import _OUTSIDE_STORE, _class_attrs, _symbol_of, called_name
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Bag, Bound, Cls, CtxFactory, Ext, Framework,
                                                     Inner, Inst, Loader, Mod, Obj, Sampler, Super, Unknown, Wrapper,
@@ -102,6 +103,8 @@ class AttributeValues:
                     continue        # a base's constructor stored it; the subclass's replaced it after
                 if id(value) in rewritten:
                     continue        # ``self.optimizer = AdamW(...)``, then ``... = accelerator.prepare(self.optimizer)``
+                if _returns_own_store(self.project, inst.cls, scope, value, attr):
+                    continue        # ``self.model = self.initialize_model()``, which stores and returns ``self.model``
                 if path == ITEM:
                     out.add(Bag(_cap(self.expr(value, scope)), True))
                     continue
@@ -292,3 +295,20 @@ def _prepares(value) -> bool:
     """Is the stored value a framework's ``prepare`` / ``setup`` call?"""
     return isinstance(value, ast.Call) and called_name(value) in (
         "prepare", "prepare_model", "prepare_optimizer", "setup", "setup_module", "setup_optimizers")
+
+
+def _returns_own_store(project, klass, scope, value, attr: str) -> bool:
+    """``self.model = self.initialize_model()`` where the method stores ``self.model`` itself and
+    returns it: what it returns is that store (found on its own); read through the method, the
+    ``self`` of a base class's method stands for every subclass, a sibling's wrapper included."""
+    if not isinstance(value, ast.Call) or not isinstance(value.func, ast.Attribute) or \
+            not isinstance(value.func.value, ast.Name) or not isinstance(scope, Function) or \
+            not scope.params or value.func.value.id != scope.params[0]:
+        return False
+    method = project.attribute(klass, value.func.attr)
+    if not isinstance(method, Function) or not method.params:
+        return False
+    returns = [n for n in walk_no_defs(method.node) if isinstance(n, ast.Return)]
+    return bool(returns) and all(isinstance(r.value, ast.Attribute) and r.value.attr == attr and
+                                 isinstance(r.value.value, ast.Name) and r.value.value.id == method.params[0]
+                                 for r in returns)
