@@ -94,6 +94,10 @@ def samplers_without_set_epoch(program) -> list:
                 if isinstance(v, Sampler):
                     main_only.setdefault(v, (test, values.module_of(scope)))
             continue
+        if _over_each_held(scope, call) or sum(isinstance(v, Sampler) for v in receiver) >= _MANY_SAMPLERS:
+            # ``for loader in self.loaders: loader.sampler.set_epoch(epoch)``: every loader the container
+            # holds, more than the values followed may name (a multi-task loader over a dozen tasks)
+            unknown_in.add(values.module_of(scope))
         for v in receiver:
             if isinstance(v, Sampler):
                 seeded.setdefault(v, set()).add(values.module_of(scope))
@@ -135,7 +139,8 @@ def samplers_without_set_epoch(program) -> list:
                 # epoch loop of the script that takes its loader, so that script is told too
                 sites += [site for site in _takers(program, sampler)
                           if site[0] is not module and _loops_over_epochs(site[0]) and
-                          not _left_off_by(program, scope, call, site)]
+                          not _left_off_by(program, scope, call, site) and
+                          not any(m is site[0] or _import_related(m, site[0]) for m in unknown_in)]
             if isinstance(scope, Function) and scope.cls is None or scope is module:
                 if len(sites) == 1:
                     # ``train(model, train_dataloader, ...)`` of another file loops over the epochs
@@ -247,6 +252,25 @@ def _always_false(values, test, scope) -> bool:
         return False        # ``mp.spawn(train_worker, args=(..., True))``: called where we cannot see
     callers = values.callers(fn)
     return bool(callers) and all(_passes_false(fn, param, call, shift) for _, call, shift in callers)
+
+
+# a set_epoch whose receiver stands for this many samplers stands for any: the values followed there
+# were cut at MAX_VALUES (``self.train_loader`` of a base trainer that two dozen task scripts share)
+_MANY_SAMPLERS = 8
+
+
+def _over_each_held(scope, call) -> bool:
+    """Is the set_epoch's receiver (``loader.sampler``, ``sampler``) the variable of a loop over a
+    container (``for loader in self.loaders:``, ``for s in samplers:``)?"""
+    base = call.func.value
+    while isinstance(base, (ast.Attribute, ast.Subscript)):
+        base = base.value
+    node = getattr(scope, "node", None)
+    if not isinstance(base, ast.Name) or node is None:
+        return False
+    return any(isinstance(n, (ast.For, ast.AsyncFor)) and isinstance(n.target, ast.Name) and n.target.id == base.id
+               and isinstance(n.iter, (ast.Name, ast.Attribute, ast.Call)) and
+               n.lineno <= call.lineno <= (n.end_lineno or n.lineno) for n in walk_no_defs(node))
 
 
 def _left_off_by(program, builder, sampler_call, site) -> bool:
