@@ -64,6 +64,10 @@ def _unsynced_group(flow, pop, groups: dict, by_gate: bool) -> Optional[tuple]:
 
 # ``args.grad_accum > 1``, ``self.accum_steps != 1``: whether the run accumulates at all
 _ACCUMULATES = re.compile(r"^\s*(?:not\s+)?\(?\s*[\w.\[\]'\"]+\s*(?:>|!=|>=|==|<=|<)\s*[12]\s*\)?\s*$")
+# nanoGPT's ``micro_step == accum - 1`` with the micro-step written as 0 (``0 == accum - 1``): a
+# constant, however often it is computed again (baby-llama2-chinese's flag, set before every forward)
+_CONSTANT_LAST = re.compile(r"^\s*\(?\s*0\s*==\s*[\w.\[\]'\"]+\s*-\s*1\s*\)?\s*$|"
+                            r"^\s*\(?\s*[\w.\[\]'\"]+\s*-\s*1\s*==\s*0\s*\)?\s*$")
 
 
 def _accumulation_switches(flow, pop) -> list:
@@ -74,7 +78,8 @@ def _accumulation_switches(flow, pop) -> list:
     for atom, volatile in _plain_atoms(flow, pop):
         # (a test in a method the loop calls reads the caller's objects: ``self.accum > 1`` holds all run)
         stable = not volatile or (isinstance(atom.key, tuple) and atom.key[:1] == ("STABLE",))
-        if stable and _COUNT_WORDS.search(atom.text) and _ACCUMULATES.match(atom.text):
+        if _COUNT_WORDS.search(atom.text) and (stable and _ACCUMULATES.match(atom.text) or
+                                               _CONSTANT_LAST.match(atom.text)):
             out.append(atom.index)
     return out
 

@@ -9,6 +9,7 @@ is seen whole. Findings are kept only where their node is: in a linted file.
 from __future__ import annotations
 
 import ast
+import re
 from typing import Optional
 
 from synccheck.analyzer.project.entry_points import drivers_of, per_call_step, sibling_step
@@ -22,6 +23,8 @@ from synccheck.analyzer.project.wrapped_models import WrappedModels
 from synccheck.analyzer.project.program_words import (EVENT_CALLS, MAX_ROOT_WORK, ROOT_WORDS, STEP_WORDS,  # noqa: F401
                                                       SYNC_WORDS, WRAP_CALLS, Words)
 
+# ``no_sync`` on a line before any ``#``
+_NO_SYNC_IN_CODE = re.compile(r"^[^#\n]*no_sync", re.MULTILINE)
 # a base class's method analysed once per concrete subclass it runs on: at most this many (_receivers)
 MAX_RECEIVERS = 4
 
@@ -66,8 +69,10 @@ class Program(Words, WrappedModels):
     def mentions_no_sync(self) -> bool:
         """Does the project turn sync off anywhere? (An opaque context may then hide a no_sync.)"""
         if self._no_sync is None:
-            self._no_sync = any("no_sync" in m.text for m in self.project.modules()) or any(
-                text is not None and "no_sync" in text for _, text in self.project.catalog.values())
+            # (in code: nanoGPT's comment on why it writes the flag instead of ``model.no_sync()`` is none)
+            self._no_sync = any("no_sync" in m.text and _NO_SYNC_IN_CODE.search(m.text) for m in self.project.modules()) or \
+                any(text is not None and "no_sync" in text and _NO_SYNC_IN_CODE.search(text)
+                    for _, text in self.project.catalog.values())
         return self._no_sync
 
     @property
