@@ -98,6 +98,8 @@ class UnscaledAccumulatedLoss(Rule):
                     continue      # the model's forward returns a sum over examples: micro-steps add up to the batch's
                 if _random_restarts(info):
                     continue      # ``while r < p: r = rng.random()``: no count of micro-steps to divide by
+                if _same_batch_repeats(info):
+                    continue      # the sandwich rule: one batch through several subnets, summed on purpose
                 ctx.report(self, info.module, info.node,
                            "this loss reaches backward() undivided while gradients accumulate over several "
                            "micro-steps: the step applies the sum of N gradients, an N-times larger update than "
@@ -136,6 +138,39 @@ def _random_restarts(info) -> bool:
                     "rand" in ast.unparse(node.value.func).lower():
                 return True
     return False
+
+
+# a call that draws new data inside the loop (``X, Y = get_batch("train")``, ``next(it)``)
+_DRAWS = re.compile(r"next\b|batch|load|fetch|data|read", re.I)
+
+
+def _same_batch_repeats(info) -> bool:
+    """Is the backward in a ``for _ in range(k)`` loop that draws no data of its own: the loop variable
+    is only compared (``if arch_id == k - 1:``), and nothing in the body draws a batch (AlphaNet's
+    sandwich rule: the same images through the largest, the smallest and random subnets, their
+    gradients summed by design)? Those backwards are not micro-batches of one large batch."""
+    fn = _enclosing(info.module, info.node)
+    if fn is None:
+        return False
+    line = info.node.lineno
+    loops = [n for n in ast.walk(fn.node) if isinstance(n, (ast.For, ast.While, ast.AsyncFor)) and
+             n.lineno < line <= (n.end_lineno or n.lineno)]
+    if not loops:
+        return False
+    loop = max(loops, key=lambda n: n.lineno)
+    if not isinstance(loop, ast.For) or not isinstance(loop.target, ast.Name) or \
+            not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name) and loop.iter.func.id == "range"):
+        return False
+    var = loop.target.id
+    compared = {id(n) for c in ast.walk(loop) if isinstance(c, ast.Compare) for n in ast.walk(c)}
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Name) and node.id == var and id(node) not in compared and node is not loop.target:
+            return False
+        if isinstance(node, ast.Call) and _DRAWS.search(ast.unparse(node.func)):
+            return False
+        if isinstance(node, (ast.For, ast.AsyncFor)) and node is not loop:
+            return False
+    return True
 
 
 def _mean_times_count(node) -> bool:
