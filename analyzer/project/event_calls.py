@@ -517,18 +517,34 @@ def _runs_submodules(flow, wrappers: frozenset, attr: str, scope, node) -> bool:
         if duck is not None:
             bound.append((duck.fn, duck.receiver.cls))
     for method, klass in bound:
-        if not method.params or any(_is_no_grad(d) for d in method.node.decorator_list):
-            continue
-        me = method.params[0]
         stored = set()
         for k in flow.project.mro(klass):
             stored |= set(_class_attrs(flow.values, k))
-        # (not the submodules it runs under ``torch.no_grad()``: a target computed without gradients,
-        # OSEDiff's distribution-matching loss, bypasses nothing)
-        quiet = {id(n) for w in method.nodes() if isinstance(w, ast.With) and
-                 any(_is_no_grad(i.context_expr) for i in w.items) for b in w.body for n in ast.walk(b)}
-        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name)
-               and n.func.value.id == me and n.func.attr in stored and id(n) not in quiet for n in method.nodes()):
+        if _calls_submodules(flow, method, klass, stored, 3):
+            return True
+    return False
+
+
+def _calls_submodules(flow, method, klass, stored: set, depth: int) -> bool:
+    """Does the method call a submodule stored on its instance (``self.model(x_noisy, t)``), itself or
+    through the methods of its class it calls (``loss`` -> ``self.p_losses(...)`` -> ``self.model(...)``)?"""
+    if not method.params or any(_is_no_grad(d) for d in method.node.decorator_list):
+        return False
+    me = method.params[0]
+    # (not the submodules it runs under ``torch.no_grad()``: a target computed without gradients,
+    # OSEDiff's distribution-matching loss, bypasses nothing)
+    quiet = {id(n) for w in method.nodes() if isinstance(w, ast.With) and
+             any(_is_no_grad(i.context_expr) for i in w.items) for b in w.body for n in ast.walk(b)}
+    calls = [n for n in method.nodes() if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and
+             isinstance(n.func.value, ast.Name) and n.func.value.id == me and id(n) not in quiet]
+    if any(n.func.attr in stored for n in calls):
+        return True
+    if depth <= 1:
+        return False
+    for n in calls:
+        other = flow.project.attribute(klass, n.func.attr)
+        if isinstance(other, Function) and other is not method and not _HOUSEKEEPING.match(n.func.attr) and \
+                _calls_submodules(flow, other, klass, stored, depth - 1):
             return True
     return False
 
