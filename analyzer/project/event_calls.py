@@ -648,16 +648,37 @@ def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
     name = node.func.id
     info = flow.values.info(scope)
     assigns = info.assigns
-    for target, value in _calls_on_a_name(info).get(name, ()):
-        if target != name and value.lineno < node.lineno <= (scope.node.end_lineno or node.lineno):
+    calls = _calls_on_a_name(info)
+    # the names of the one module: ``raw_model = model`` (model never bound again), and
+    # ``compiled_model = torch.compile(model)``, which DDP may be built around instead
+    names = [name]
+    own = name              # the name that must not be bound again after the wrapping
+    bound = assigns.get(name, ())
+    if len(bound) == 1 and not bound[0][1] and isinstance(bound[0][0], ast.Name):
+        source = bound[0][0].id
+        if source != name and not any(getattr(v, "lineno", 0) > bound[0][0].lineno for v, _ in assigns.get(source, ())):
+            names.append(source)
+            own = source
+    for n in list(names):
+        names += [t for t, value in calls.get(n, ()) if _called_name(value) == "compile" and t not in names]
+    for n in names:
+        for target, value in calls.get(n, ()):
+            if target in names or not value.lineno < node.lineno <= (scope.node.end_lineno or node.lineno):
+                continue
             wrappers = frozenset(w for w in flow.values.expr(value, scope) if isinstance(w, Wrapper) and w.kind == "ddp")
             if not wrappers:
                 continue
-            # ``model`` itself never rebound after the wrapping (``model = ddp_model`` would be fine)
-            if any(getattr(v, "lineno", 0) > value.lineno for v, _ in assigns.get(name, ())):
+            # ``model`` itself never rebound after the wrapping (``model = ddp_model`` would be fine);
+            # an alias of it may be bound after (``raw_model = model``), to the same module
+            if any(getattr(v, "lineno", 0) > value.lineno for v, _ in assigns.get(own, ())):
                 return None
             return wrappers
     return None
+
+
+def _called_name(call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
 def _calls_on_a_name(info) -> dict:
