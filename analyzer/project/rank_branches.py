@@ -246,7 +246,9 @@ class _RankChecker(RankTests):
                 continue
             targets = self.program.syntactic_targets(node, scope)
             if targets is None:
-                targets = self.program.call_targets(node, scope)
+                # (a callable held in a value: not one whose required parameters this call leaves
+                # out, ``save_fn(model)`` beside a ``save_fn(model, *, training_state, kind)``)
+                targets = [fn for fn in self.program.call_targets(node, scope) if _can_take(fn, node)]
             if not targets:
                 targets = self._communicating_method(node, scope)
             for fn in targets:
@@ -418,6 +420,15 @@ class _RankChecker(RankTests):
         for stmt in stmts:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or _serving_loop(stmt):
                 continue
+            if binding and stmts is fn.node.body and isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and \
+                    isinstance(stmt.targets[0], ast.Name):
+                # ``resumable = training_state is not None`` at the top of the body, with the call's
+                # ``training_state`` left at its default: later tests of ``resumable`` fold too
+                value = _fold(stmt.value, binding)
+                if value is not _UNKNOWN and isinstance(value, (bool, int, str, type(None))):
+                    binding[stmt.targets[0].id] = value
+                else:
+                    binding.pop(stmt.targets[0].id, None)
             folded = _fold(stmt.test, binding) if binding and isinstance(stmt, (ast.If, ast.While)) else _UNKNOWN
             read = self._sides(stmt.test, fn, 0) if isinstance(stmt, ast.If) and folded is _UNKNOWN else ()
             if "single" in read:
@@ -463,6 +474,24 @@ class _RankChecker(RankTests):
             for callee in self.program.syntactic_targets(call, fn) or self._communicating_method(call, fn):
                 if callee is not fn:
                     out |= self.runs(callee, _literal_arguments(call, callee, binding))
+
+
+def _can_take(fn: Function, call: ast.Call) -> bool:
+    """Can ``call`` bind every parameter of ``fn`` that has no default? (A ``*args``/``**kwargs`` on
+    either side may supply anything.)"""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return True
+    a = fn.node.args
+    positional = a.posonlyargs + a.args
+    if fn.is_method and positional:
+        positional = positional[1:]
+    passed = {k.arg for k in call.keywords}
+    required = positional[:len(positional) - len(a.defaults)] if a.defaults else positional
+    if len(call.args) > len(positional) and a.vararg is None:
+        return False
+    if any(p.arg not in passed for p in required[len(call.args):]):
+        return False
+    return all(p.arg in passed for p, d in zip(a.kwonlyargs, a.kw_defaults) if d is None)
 
 
 def _main_only(fn, checker=None) -> Optional[str]:
