@@ -24,6 +24,10 @@ _WRAPS_ITSELF = re.compile(r"DistributedDataParallel|FullyShardedDataParallel|\b
                            r"\.prepare\(|\.setup\(|\.initialize\(|\bDDP\(|\bFSDP\(")
 
 
+# a function that sets a model up once, before training (its broadcast of the weights is DDP's own)
+_SETS_UP = re.compile(r"init|setup|set_up|build|load|create|prepare|construct", re.I)
+
+
 class WrappedModels:
     """What Program knows of the data-parallel models (a part of Program)."""
 
@@ -185,6 +189,8 @@ class WrappedModels:
             # on the gradients before each step: the sync DDP would have done)
             for name in ("all_reduce", "all_reduce_coalesced", "broadcast"):
                 for scope, call in self.values.calls(name):
+                    if name == "broadcast" and _SETS_UP.search(getattr(getattr(scope, "node", None), "name", "")):
+                        continue    # (rank 0's initial weights sent to all in ``initialize_model``: not an averaging)
                     owner = self._loop_over_parameters(scope, call)
                     if owner is not None:
                         # (``model.module.parameters()`` too: the wrapper's parameters)
