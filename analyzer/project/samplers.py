@@ -78,7 +78,7 @@ def samplers_without_set_epoch(program) -> list:
             continue
         if _under_a_false_flag(values, scope, call):
             continue        # ``if self.ddp: loader.sampler.set_epoch(epoch)`` with ``ddp=False`` left by every caller
-        receiver = values.expr(call.func.value, scope)
+        receiver = _built_loader_sampler(program, scope, call.func.value) or values.expr(call.func.value, scope)
         if _once_before_the_loop(scope, call):
             for v in receiver:
                 if isinstance(v, Sampler):
@@ -98,10 +98,13 @@ def samplers_without_set_epoch(program) -> list:
             # ``for loader in self.loaders: loader.sampler.set_epoch(epoch)``: every loader the container
             # holds, more than the values followed may name (a multi-task loader over a dozen tasks)
             unknown_in.add(values.module_of(scope))
+        named = any(isinstance(v, Sampler) for v in receiver)
         for v in receiver:
             if isinstance(v, Sampler):
                 seeded.setdefault(v, set()).add(values.module_of(scope))
-            elif isinstance(v, (Unknown, Obj, Ext)):
+            elif isinstance(v, (Unknown, Obj, Ext)) and not named:
+                # (``sampler = DistributedSampler(d) if distributed else RandomSampler(d)``: the other
+                # side is that run's own sampler, not some other one this call might reseed)
                 # (a set_epoch on something not followed: it may reseed any sampler this script reaches)
                 unknown_in.add(values.module_of(scope))
     # ``pre_epoch = sampler.set_epoch`` (a bound method kept and called later, NaviLLM)
@@ -137,7 +140,7 @@ def samplers_without_set_epoch(program) -> list:
             if isinstance(scope, Function) and scope.cls is None:
                 # a builder function (``get_loader(args)`` in utils/data_utils.py): the fix belongs in the
                 # epoch loop of the script that takes its loader, so that script is told too
-                sites += [site for site in _takers(program, sampler)
+                sites += [site for site in _takers_of(program, sampler)
                           if site[0] is not module and _loops_over_epochs(site[0]) and
                           not _left_off_by(program, scope, call, site) and
                           not any(m is site[0] or _import_related(m, site[0]) for m in unknown_in)]
@@ -158,7 +161,7 @@ def samplers_without_set_epoch(program) -> list:
             # another script that shares the builder); a set_epoch on a loader not followed (ALBEF's
             # ``train_loader.sampler.set_epoch`` beside a shared ``create_sampler``) may reseed the
             # samplers of its own script and of the scripts it imports or is imported by
-            sites = [site for site in _takers(program, sampler)
+            sites = [site for site in _takers_of(program, sampler)
                      if site[0] is not module and not _left_off_by(program, scope, call, site) and not any(m is module or m is site[0] or _import_related(m, site[0])
                                                           for m in seeded.get(sampler, set()) | unknown_in) and
                      _loops_over_epochs(site[0])]
@@ -189,7 +192,7 @@ def _calls_left_unseeded(program, sampler) -> list:
     never ``unsupervised_train_sampler``). A sampler is one value per place it is made, so the
     ``set_epoch`` of one call stands for both; the names each call binds tell them apart."""
     by_scope: dict = {}
-    for site in _takers(program, sampler):
+    for site in _takers_of(program, sampler):
         by_scope.setdefault(id(site[3]), []).append(site)
     out = []
     for sites in by_scope.values():
@@ -257,6 +260,52 @@ def _always_false(values, test, scope) -> bool:
 # a set_epoch whose receiver stands for this many samplers stands for any: the values followed there
 # were cut at MAX_VALUES (``self.train_loader`` of a base trainer that two dozen task scripts share)
 _MANY_SAMPLERS = 8
+
+
+def _takers_of(program, sampler) -> list:
+    """_takers, less the loaders a project builder made around another sampler of the same call
+    (``source_loader = build_dataloader(ds, sampler=source_sampler)`` does not take the target's)."""
+    out = []
+    for site in _takers(program, sampler):
+        module, made, name, scope = site
+        base, _, attr = name.partition(".")
+        if attr == "sampler":
+            own = _built_loader_sampler(program, scope, ast.Attribute(ast.Name(base, ast.Load()), "sampler", ast.Load()))
+            if own and sampler not in own:
+                continue
+        out.append(site)
+    return out
+
+
+def _built_loader_sampler(program, scope, receiver) -> frozenset:
+    """``source_loader.sampler`` where ``source_loader = build_dataloader(ds, sampler=source_sampler)``
+    and the project's ``build_dataloader`` returns ``DataLoader(..., sampler=sampler)``: the sampler
+    this call handed it (read through the function alone, its ``sampler`` stands for every caller's,
+    the target domain's too). EMPTY when the receiver is not such a loader's sampler."""
+    from synccheck.analyzer.project.value_helpers import _argument
+    if not (isinstance(receiver, ast.Attribute) and receiver.attr == "sampler" and isinstance(receiver.value, ast.Name)):
+        return frozenset()
+    values = program.values
+    bound = values.info(scope).assigns.get(receiver.value.id, ()) if isinstance(scope, Function) else ()
+    if len(bound) != 1 or bound[0][1] or not isinstance(bound[0][0], ast.Call):
+        return frozenset()
+    made = bound[0][0]
+    targets = program.call_targets(made, scope)
+    if len(targets) != 1:
+        return frozenset()
+    fn = targets[0]
+    returns = [n.value for n in walk_no_defs(fn.node) if isinstance(n, ast.Return) and n.value is not None]
+    if len(returns) != 1 or not isinstance(returns[0], ast.Call) or \
+            not (getattr(returns[0].func, "id", None) or getattr(returns[0].func, "attr", "")).endswith("DataLoader"):
+        return frozenset()
+    given = next((k.value for k in returns[0].keywords if k.arg == "sampler"), None)
+    if not isinstance(given, ast.Name) or given.id not in fn.params:
+        return frozenset()
+    arg = _argument(made, fn, given.id, fn.params.index(given.id), 1 if fn.is_method else 0)
+    if arg is None:
+        return frozenset()
+    held = values.expr(arg, scope)
+    return held if any(isinstance(v, Sampler) for v in held) else frozenset()
 
 
 def _over_each_held(scope, call) -> bool:
@@ -442,7 +491,11 @@ def _once_before_the_loop(scope, call) -> bool:
              and called_name(n.iter) in ("range", "trange", "tqdm") and "epoch" in ast.unparse(n.iter).lower()]
     if not loops:
         return False
-    return not any(loop.lineno <= call.lineno <= (loop.end_lineno or loop.lineno) for loop in loops)
+    # (in no loop at all: ``while True: epoch += 1; ...; sampler.set_epoch(epoch)`` beside an inner
+    # ``for i in range(CFG.EPOCHK)`` sets it every epoch)
+    inside = [n for n in ast.walk(node) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and
+              n.lineno <= call.lineno <= (n.end_lineno or n.lineno)]
+    return not inside
 
 
 _DATASET = re.compile(r"dataset|^ds$|_ds$", re.IGNORECASE)
