@@ -265,6 +265,11 @@ def _opaque_context(flow, node, vals, fr) -> bool:
         made = _bound_calls(flow, node.id, fr)
         if made and all(_harmless_call(flow, call, scope) for call, scope in made):
             return False
+    if isinstance(node, ast.Attribute):
+        # ``self.amp_ctx = torch.amp.autocast(...)`` in ``__init__``, ``with self.amp_ctx:`` in the loop
+        made = _stored_calls(flow, node, fr)
+        if made and all(_harmless_call(flow, call, scope) for call, scope in made):
+            return False
     if _harmless_call(flow, node, fr.scope):
         return False
     return any(isinstance(v, (Obj, Unknown, Ext)) for v in vals)
@@ -295,6 +300,29 @@ def _harmless_call(flow, node, scope) -> bool:
     return isinstance(func, ast.Attribute) and func.attr in ("autocast", "no_grad", "profile", "timer",
                                                              "record_function", "inference_mode",
                                                              "main_process_first", "join")
+
+
+def _stored_calls(flow, node, fr) -> list:
+    """(call, scope) for every value the class stores in ``self.<attr>`` (through conditional
+    expressions); [] when one is not a call, or ``node`` is not an attribute of the method's ``self``."""
+    from synccheck.analyzer.project.value_helpers import _class_attrs
+    scope = fr.scope
+    if not (isinstance(node.value, ast.Name) and isinstance(scope, Function) and scope.cls is not None and
+            scope.params and node.value.id == scope.params[0]):
+        return []
+    out = []
+    for klass in flow.project.mro(scope.cls):
+        for where, value, path in _class_attrs(flow.values, klass).get(node.attr, ()):
+            todo = [value]
+            while todo:
+                v = todo.pop()
+                if isinstance(v, ast.IfExp):
+                    todo += [v.body, v.orelse]
+                elif isinstance(v, ast.Call) and not path:
+                    out.append((v, where))
+                else:
+                    return []
+    return out
 
 
 def _bound_calls(flow, name: str, fr) -> list:
