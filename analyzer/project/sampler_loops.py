@@ -19,7 +19,7 @@ _EVALUATION_FUNCTION = re.compile(r"(?i)^_*(?:(?:run_|do_)(?:test|eval|evaluate|
                                   r"eval|evaluate|evaluation|validate|validation|val|infer|inference|predict|test$)(?:_|$)")
 # a sampler (or the dataset it samples) named for evaluation: ``val_sampler``, ``DistributedSampler(dataset_test)``,
 # ``valsampler``, ``DistributedSampler(valset)``
-_EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|valid|validation|eval|evaluation|test|dev)"
+_EVALUATION = re.compile(r"(?i)(?:^|[^a-z])(?:val|vali|valid|validation|eval|evaluation|test|dev)"
                          r"(?:[^a-z]|$|sampler|loader|set|data)")
 
 
