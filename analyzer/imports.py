@@ -296,8 +296,10 @@ class Components:
                         if target is not None:
                             self.union(path, target)
                             continue
-                    if not level and any("path" in n for _, n in known.get(path) or ()):
-                        # ``import _init_paths`` then ``from dataset import ...`` found under ``../lib``
+                    if not level and (any("path" in n for _, n in known.get(path) or ()) or
+                                      any(n == "sys" for _, n in known.get(path) or ())):
+                        # ``import _init_paths`` then ``from dataset import ...`` found under ``../lib``;
+                        # or ``sys.path.append(os.path.join(BASE_DIR, '..'))`` in the script itself
                         for root in sys_path_roots(path):
                             target = next((t for t in _target_files(root, name) if t in known or os.path.isfile(t)), None)
                             if target is not None:
