@@ -119,6 +119,11 @@ def samplers_without_set_epoch(program) -> list:
                 seeded.setdefault(v, set()).add(values.module_of(scope))
     # ``getattr(loader.sampler, "set_epoch", lambda e: None)(epoch)``: called by a name in a string
     unknown = unknown or any(_SET_EPOCH_BY_NAME.search(m.text) for m in program.project.linted())
+    # an OpenMMLab runner trains on the loaders handed to it and reseeds their samplers itself
+    # (``DistSamplerSeedHook``; ``IterLoader`` calls ``set_epoch`` each pass): mmseg/mmdet's builder copies
+    unknown = unknown or any(_MM_RUNNER.search(text) for text in
+                             [m.text for m in program.project.modules()] +
+                             [t for _, t in program.project.catalog.values() if t is not None] if "runner" in text)
     # ``self.train_dataloader.dataset.shuffle(epoch)``: the dataset permutes its own items by the epoch,
     # the same on every rank, so the sampler's fixed indices draw a new order each epoch (Grad-W)
     unknown = unknown or any("shuffle" in m.text and _DATASET_RESHUFFLED.search(m.text)
@@ -260,6 +265,10 @@ def _always_false(values, test, scope) -> bool:
 # a set_epoch whose receiver stands for this many samplers stands for any: the values followed there
 # were cut at MAX_VALUES (``self.train_loader`` of a base trainer that two dozen task scripts share)
 _MANY_SAMPLERS = 8
+
+
+_MM_RUNNER = re.compile(r"from mmcv\.runner import [^\n]*\bbuild_runner\b|\bDistSamplerSeedHook\b|"
+                        r"from mmengine\.runner import [^\n]*\bRunner\b")
 
 
 def _takers_of(program, sampler) -> list:
