@@ -42,7 +42,8 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     if sets_sync_flag(node):
         recv = expr(flow, node.args[0], st, fr)
         value = expr(flow, node.args[2], st, fr)
-        flag(flow, node, flow.program.wrappers(recv.values), _cond_of(flow, value, node.args[2], st, fr), st, fr)
+        flag(flow, node, _reading_the_flag(flow.program.wrappers(recv.values)), _cond_of(flow, value, node.args[2], st, fr),
+             st, fr)
         return _val(ONE_UNKNOWN)
     if isinstance(func, ast.Name) and func.id == "super" and isinstance(fr.scope, Function) and \
             fr.scope.cls is not None and fr.scope.params and len(node.args) in (0, 2):
@@ -694,8 +695,8 @@ def _calls_on_a_name(info) -> dict:
     return found
 
 
-from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowFactory, FlowHelper, FlowPartial, SyncSetter,
-                                               _cond_of, _property_test, _prov, _val, expr)
+from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, _reading_the_flag, FlowFactory, FlowHelper,
+                                               FlowPartial, SyncSetter, _cond_of, _property_test, _prov, _val, expr)
 from synccheck.analyzer.project.inlining import _held_models, inline
 from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
 from synccheck.analyzer.project.micro_step import (backward, flag, forward, inner_forward, step as micro_step,

@@ -96,6 +96,12 @@ _WORLD_SIZE = re.compile(r"^(?:[\w.]*\.)?(?:world_size|get_world_size\(\)|num_gp
                          r"world|nprocs|num_replicas)$", re.I)
 
 
+def _reading_the_flag(models: frozenset) -> frozenset:
+    """The wrappers that read ``require_backward_grad_sync`` (DDP's reducer, ``replicate``): FSDP and
+    FSDP2 never do (FSDP2 has ``set_requires_gradient_sync``), so the write leaves them syncing."""
+    return frozenset(m for m in models if getattr(m, "kind", "") not in ("fsdp", "fsdp2", "deepspeed"))
+
+
 def _attribute(flow, node, recv: EnvVal, st, fr, version=0) -> EnvVal:
     receivers = recv.values
     if len(receivers) > 1 and _NONE in receivers:
@@ -336,7 +342,7 @@ def assign(flow, target, value: EnvVal, stmt, st, fr, version=None) -> None:
     elif t is ast.Attribute:
         if target.attr == "require_backward_grad_sync":
             recv = expr(flow, target.value, st, fr)
-            models = flow.program.wrappers(recv.values)
+            models = _reading_the_flag(flow.program.wrappers(recv.values))
             value_node = getattr(stmt, "value", None)
             flag(flow, stmt, models, _cond_of(flow, value, value_node, st, fr), st, fr)
             return
