@@ -96,6 +96,20 @@ _WORLD_SIZE = re.compile(r"^(?:[\w.]*\.)?(?:world_size|get_world_size\(\)|num_gp
                          r"world|nprocs|num_replicas)$", re.I)
 
 
+_WORLD = re.compile(r"(?i)^(world_size|num_gpus|n_gpus?|ngpus?|nprocs|num_processes)$")
+
+
+def _grows(node) -> bool:
+    """A factor that makes a loss larger: the world size (``WORLD_SIZE``, ``dist.get_world_size()``,
+    ``args.world_size``), or an integer constant of 2 or more."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, int) and not isinstance(node.value, bool) and node.value >= 2
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+        (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")) \
+        if isinstance(node, ast.Call) else ""
+    return bool(name) and (_WORLD.match(name) is not None or name == "get_world_size")
+
+
 def _reading_the_flag(models: frozenset) -> frozenset:
     """The wrappers that read ``require_backward_grad_sync`` (DDP's reducer, ``replicate``): FSDP and
     FSDP2 never do (FSDP2 has ``set_requires_gradient_sync``), so the write leaves them syncing."""
@@ -175,6 +189,9 @@ def expr(flow, node, st, fr) -> EnvVal:
             # every caller: divided by nothing (unless the step's own test counts by it: then it is
             # the micro-steps, whatever one configuration sets them to)
             scaled = left.scaled
+        elif isinstance(node.op, ast.Mult) and (_grows(node.right) or _grows(node.left)):
+            # ``loss * WORLD_SIZE``, ``loss * 2``: made larger, not divided by the micro-steps
+            scaled = left.scaled if _grows(node.right) else right.scaled
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
         elif left.scaled is False and right.scaled is False:
