@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import Ext, Framework, Func, Inst
+from synccheck.analyzer.project.values import Ext, Framework, Func, Inst, Obj
 from synccheck.analyzer.project.traversal import children, walk
 from synccheck.analyzer.project.rank_tests import RANK_NAME, RankTests, _kind, _negation, _ranked
 from synccheck.analyzer.project.collective_calls import (_COMMUNICATING, _case_value, _collective_aliases,
@@ -300,6 +300,27 @@ class _RankChecker(RankTests):
                 return func.attr
         return None
 
+    def _torchmetrics_metric(self, node, scope) -> bool:
+        """Is ``node`` an object made by a torchmetrics class (``FrechetInceptionDistance(...)``)?"""
+        module = self.values.module_of(scope)
+        if module is None or "torchmetrics" not in module.text:
+            return False
+        for v in self.values.expr(node, scope):
+            site = getattr(v, "site", None) if isinstance(v, Obj) else None
+            if not site or len(site) < 3 or not isinstance(site[1], int):
+                continue
+            where = self.values.project.module_at(site[0])
+            made = where.call_at(site[1], site[2]) if where is not None else None
+            # (``FrechetInceptionDistance(feature=2048).to(device)``: the class's call inside)
+            while made is not None and isinstance(made.func, ast.Attribute) and \
+                    made.func.attr in ("to", "cuda", "cpu", "eval", "train", "float", "double", "half") and \
+                    isinstance(made.func.value, ast.Call):
+                made = made.func.value
+            if made is not None and any(isinstance(f, Ext) and f.qualname.startswith("torchmetrics.")
+                                        for f in self.values.expr(made.func, scope)):
+                return True
+        return False
+
     def collective(self, call: ast.Call, scope) -> Optional[str]:
         group = next((kw.value for kw in call.keywords if kw.arg == "group"), None)
         if group is not None and _sub_group(group, scope):
@@ -340,6 +361,10 @@ class _RankChecker(RankTests):
             if fabrics and not all(v.single for v in fabrics):
                 return _kind("barrier")
             return None
+        if attr == "compute" and not call.args:
+            # ``fid.compute()`` on a torchmetrics metric: it syncs its states over every process
+            # before computing (``sync_on_compute``), so a rank-0-only ``compute`` waits alone
+            return "compute" if self._torchmetrics_metric(func.value, scope) else None
         if attr not in vocab.COLLECTIVES and attr not in vocab.FRAMEWORK_COLLECTIVES:
             return None
         receiver = self.values.expr(func.value, scope)

@@ -19,9 +19,11 @@ RANK_NAME = re.compile(r"(?<![A-Za-z0-9])(?<!lora_)(?<!low_)(?<!adapter_)(?<!svd
                        r"is_rank_zero|is_global_zero|is_world_process_zero|is_local_process_zero|main_process|"
                        r"is_main|rank_zero|is_master_process|is_chief|ddp_rank|is_global_main|is_local_main|is_global_master|"
                        r"is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker|is_root_worker|"
-                       r"is_local_root_worker|is_root_process|is_root_rank)(?![A-Za-z0-9])",
+                       r"is_local_root_worker|is_root_process|is_root_rank|"
+                       # (timm's ``utils.is_primary(args)``, copied into many training scripts)
+                       r"is_primary|is_global_primary|is_local_primary)(?![A-Za-z0-9])",
                        re.I)
-MAIN_WORDS = ("main", "master", "zero", "chief", "root")
+MAIN_WORDS = ("main", "master", "zero", "chief", "root", "primary")
 # a process's rank number, tested as a truth value
 _RANK_NUMBER = re.compile(r"(?:^|[._])(?:rank|global_rank|local_rank|get_rank|get_local_rank|node_rank|process_index|"
                           r"local_process_index|ddp_rank)$", re.I)
@@ -154,6 +156,13 @@ class RankTests:
             returned = self._accessor_return(node, scope)
             if returned is not None:
                 return self.polarity(returned[0], returned[1], depth + 1)
+            helper = self._helper_return(test.func, scope) if isinstance(test, ast.Call) else None
+            if helper is not None:
+                # (what the helper's return says, when it says something: ``get_rank()`` returning
+                # ``dist.get_rank() if dist.is_initialized() else 0`` is still a rank, below)
+                pol = self.polarity(helper[0], helper[1], depth + 1)
+                if pol is not None:
+                    return pol
             if _RANK_NUMBER.search(text) or (not isinstance(test, ast.Call) and self._rank_valued(test, scope)):
                 # ``if rank:`` / ``if not rank:`` with ``rank = get_rank()``: a rank as a truth value
                 # holds on every rank but 0
@@ -194,6 +203,19 @@ class RankTests:
             if arg is not None and (RANK_NAME.search(ast.unparse(arg)) or self._rank_valued(arg, caller, depth + 1)):
                 handed = True
         return handed
+
+    def _helper_return(self, func, scope):
+        """``is_primary(args)`` where the project's ``is_primary`` only returns an expression
+        (``is_local_primary(args) if local else is_global_primary(args)``, ``args.rank == 0``):
+        (that expression, the function)."""
+        if not isinstance(func, ast.Name) or scope is None:
+            return None
+        module = scope.module if isinstance(scope, Function) else scope
+        found = self.program.project.resolve(module, func.id)
+        if not isinstance(found, Function):
+            return None
+        returned = found.only_return
+        return (returned, found) if returned is not None else None
 
     def _accessor_return(self, node, scope):
         """``self.can_checkpoint`` where the class defines ``can_checkpoint`` as a property (or a method

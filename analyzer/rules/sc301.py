@@ -8,12 +8,14 @@ RANK_TEST_TEXT = (r"(?<!\w)(rank|global_rank|local_rank|get_rank|is_main_process
                   r"master_process|is_master|is_rank_zero|is_global_zero|is_world_process_zero|"
                   r"is_local_process_zero|main_process|is_main|is_chief|is_global_main|is_local_main|"
                   r"is_global_master|is_local_master|is_main_rank|is_master_rank|is_rank0|is_rank_0|is_main_worker|device_id|"
-                  r"is_root_worker|is_local_root_worker|is_root_process|is_root_rank)(?!\w)")
+                  r"is_root_worker|is_local_root_worker|is_root_process|is_root_rank|"
+                  r"is_primary|is_global_primary|is_local_primary)(?!\w)")
 RANK_TEST = re.compile(RANK_TEST_TEXT, re.I)     # (``os.environ.get("RANK", "0") == "0"``)
 # Substrings that between them cover every name RANK_TEST accepts ("master" for nanoGPT's `master_process`
 # as well as `is_master`): the text pre-check looks for these before any regex runs.
 RANK_WORDS = ("rank", "RANK", "main_process", "master", "global_zero", "process_zero", "is_main", "is_chief",
-              "is_global_main", "is_local_main", "device_id", "is_root", "is_local_root")
+              "is_global_main", "is_local_main", "device_id", "is_root", "is_local_root", "is_primary",
+              "_primary")
 CALL_PREFIXES = ("dist.", "distributed.", "c10d.", "accelerator.", "fabric.", "strategy.")
 
 
@@ -85,6 +87,12 @@ def _rank_if_lines(text: str):
             indent = _wrapped_if(text, line_end - len(line))
             if indent is not None:
                 yield line_end, indent
+        elif RANK_TEST.search(code) and not stripped.startswith(("if ", "if(", "elif ", "elif(")) and \
+                (indent := _wrapped_if(text, line_end - len(line))) is not None and \
+                (end := _test_end(text, line_end)) is not None:
+            # a middle line of a test written over several lines (black's ``if (\n    a\n    and
+            # is_primary(args)\n):``): the block starts after the line that ends the test
+            yield end, indent
         else:
             held = _HOLDS_TEST.match(code)
             if held and RANK_TEST.search(held.group(2)):
