@@ -104,9 +104,11 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
                     owned = _owned(flow, frozenset((v,)))
                     if owned:
                         together.append(owned)
-        if _one_stepper(flow):
+        if _one_stepper(flow) or _stepped_side_by_side(flow):
             # one optimizer in the loop's function, whatever it owns (and whatever we could tell it
-            # owns: zero123's ``AdamW(list(unet.parameters()) + list(cc_projection.parameters()))``)
+            # owns: zero123's ``AdamW(list(unet.parameters()) + list(cc_projection.parameters()))``);
+            # or every optimizer stepped in one block (PPO's ``actor_optimizer.step();
+            # critic_optimizer.step()`` after one loss through both): one micro-step of both models
             together.append(models)
 
     def transfer(prop, guard):
@@ -178,6 +180,29 @@ def _one_stepper(flow) -> bool:
                 if name and not any(w in name for w in ("sched", "lr", "ema", "warmup")):    # (_name lowercases)
                     names.add(name)
         flow.memo[key] = len(names) == 1
+    return flow.memo[key]
+
+
+def _stepped_side_by_side(flow) -> bool:
+    """Does the loop's function step all its optimizers (two or more) in one block, one statement after
+    another (``actor_optimizer.step(); critic_optimizer.step()``)? A GAN steps each after its own
+    backward."""
+    key = ("side by side",)
+    if key not in flow.memo:
+        blocks = set()
+        count = 0
+        for n in walk(flow.root_node):
+            for field in ("body", "orelse"):
+                block = getattr(n, field, None)
+                if not isinstance(block, list):
+                    continue
+                steps = [st for st in block if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and
+                         isinstance(st.value.func, ast.Attribute) and st.value.func.attr == "step" and
+                         not any(w in _name(st.value.func.value) for w in ("sched", "lr", "ema", "warmup"))]
+                if steps:
+                    blocks.add(id(block))
+                    count += len(steps)
+        flow.memo[key] = count >= 2 and len(blocks) == 1
     return flow.memo[key]
 
 
