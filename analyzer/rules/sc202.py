@@ -161,6 +161,9 @@ def _same_batch_repeats(info) -> bool:
     if not isinstance(loop, ast.For) or not isinstance(loop.target, ast.Name) or \
             not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name) and loop.iter.func.id == "range"):
         return False
+    from synccheck.analyzer.project.branches import _COUNT_WORDS
+    if any(_COUNT_WORDS.search(ast.unparse(a)) for a in loop.iter.args):
+        return False        # ``for micro_step in range(gradient_accumulation_steps)``: the micro-steps themselves
     var = loop.target.id
     compared = {id(n) for c in ast.walk(loop) if isinstance(c, ast.Compare) for n in ast.walk(c)}
     for node in ast.walk(loop):
