@@ -196,12 +196,16 @@ def _stepped_side_by_side(flow) -> bool:
                 block = getattr(n, field, None)
                 if not isinstance(block, list):
                     continue
-                steps = [st for st in block if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and
+                steps = [i for i, st in enumerate(block) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and
                          isinstance(st.value.func, ast.Attribute) and st.value.func.attr == "step" and
                          not any(w in _name(st.value.func.value) for w in ("sched", "lr", "ema", "warmup"))]
                 if steps:
                     blocks.add(id(block))
                     count += len(steps)
+                    # (side by side: no backward between the first step and the last, as a GAN has)
+                    if any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "backward"
+                           for st in block[steps[0]:steps[-1] + 1] for c in walk(st)):
+                        blocks.add(None)
         flow.memo[key] = count >= 2 and len(blocks) == 1
     return flow.memo[key]
 
