@@ -100,10 +100,8 @@ _WORLD = re.compile(r"(?i)^(world_size|num_gpus|n_gpus?|ngpus?|nprocs|num_proces
 
 
 def _grows(node) -> bool:
-    """A factor that makes a loss larger: the world size (``WORLD_SIZE``, ``dist.get_world_size()``,
-    ``args.world_size``), or an integer constant of 2 or more."""
-    if isinstance(node, ast.Constant):
-        return isinstance(node.value, int) and not isinstance(node.value, bool) and node.value >= 2
+    """A factor that makes a loss larger by the number of processes (``WORLD_SIZE``,
+    ``dist.get_world_size()``, ``args.world_size``). (A constant is a weight between terms: ``* 100``.)"""
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
         (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")) \
         if isinstance(node, ast.Call) else ""
@@ -190,7 +188,7 @@ def expr(flow, node, st, fr) -> EnvVal:
             # the micro-steps, whatever one configuration sets them to)
             scaled = left.scaled
         elif isinstance(node.op, ast.Mult) and (_grows(node.right) or _grows(node.left)):
-            # ``loss * WORLD_SIZE``, ``loss * 2``: made larger, not divided by the micro-steps
+            # ``loss * WORLD_SIZE``: made larger, not divided by the micro-steps
             scaled = left.scaled if _grows(node.right) else right.scaled
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             scaled = True
