@@ -42,8 +42,8 @@ def call(flow, node: ast.Call, st, fr) -> EnvVal:
     if sets_sync_flag(node):
         recv = expr(flow, node.args[0], st, fr)
         value = expr(flow, node.args[2], st, fr)
-        flag(flow, node, _reading_the_flag(flow.program.wrappers(recv.values)), _cond_of(flow, value, node.args[2], st, fr),
-             st, fr)
+        models = _reading_the_flag(flow.program.wrappers(recv.values))
+        flag(flow, node, models, _cond_of(flow, value, node.args[2], st, fr), st, fr)
         return _val(ONE_UNKNOWN)
     if isinstance(func, ast.Name) and func.id == "super" and isinstance(fr.scope, Function) and \
             fr.scope.cls is not None and fr.scope.params and len(node.args) in (0, 2):

@@ -196,7 +196,8 @@ def _stepped_side_by_side(flow) -> bool:
                 block = getattr(n, field, None)
                 if not isinstance(block, list):
                     continue
-                steps = [i for i, st in enumerate(block) if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and
+                steps = [i for i, st in enumerate(block)
+                         if isinstance(st, ast.Expr) and isinstance(st.value, ast.Call) and
                          isinstance(st.value.func, ast.Attribute) and st.value.func.attr == "step" and
                          not any(w in _name(st.value.func.value) for w in ("sched", "lr", "ema", "warmup"))]
                 if steps:

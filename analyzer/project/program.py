@@ -70,7 +70,8 @@ class Program(Words, WrappedModels):
         """Does the project turn sync off anywhere? (An opaque context may then hide a no_sync.)"""
         if self._no_sync is None:
             # (in code: nanoGPT's comment on why it writes the flag instead of ``model.no_sync()`` is none)
-            self._no_sync = any("no_sync" in m.text and _NO_SYNC_IN_CODE.search(m.text) for m in self.project.modules()) or \
+            self._no_sync = any("no_sync" in m.text and _NO_SYNC_IN_CODE.search(m.text)
+                                for m in self.project.modules()) or \
                 any(text is not None and "no_sync" in text and _NO_SYNC_IN_CODE.search(text)
                     for _, text in self.project.catalog.values())
         return self._no_sync

@@ -167,8 +167,9 @@ def samplers_without_set_epoch(program) -> list:
             # ``train_loader.sampler.set_epoch`` beside a shared ``create_sampler``) may reseed the
             # samplers of its own script and of the scripts it imports or is imported by
             sites = [site for site in _takers_of(program, sampler)
-                     if site[0] is not module and not _left_off_by(program, scope, call, site) and not any(m is module or m is site[0] or _import_related(m, site[0])
-                                                          for m in seeded.get(sampler, set()) | unknown_in) and
+                     if site[0] is not module and not _left_off_by(program, scope, call, site) and
+                     not any(m is module or m is site[0] or _import_related(m, site[0])
+                             for m in seeded.get(sampler, set()) | unknown_in) and
                      _loops_over_epochs(site[0])]
         if not sites and sampler in seeded:
             sites = _calls_left_unseeded(program, sampler)
@@ -279,7 +280,8 @@ def _takers_of(program, sampler) -> list:
         module, made, name, scope = site
         base, _, attr = name.partition(".")
         if attr == "sampler":
-            own = _built_loader_sampler(program, scope, ast.Attribute(ast.Name(base, ast.Load()), "sampler", ast.Load()))
+            held = ast.Attribute(ast.Name(base, ast.Load()), "sampler", ast.Load())
+            own = _built_loader_sampler(program, scope, held)
             if own and sampler not in own:
                 continue
         out.append(site)
@@ -292,7 +294,8 @@ def _built_loader_sampler(program, scope, receiver) -> frozenset:
     this call handed it (read through the function alone, its ``sampler`` stands for every caller's,
     the target domain's too). EMPTY when the receiver is not such a loader's sampler."""
     from synccheck.analyzer.project.value_helpers import _argument
-    if not (isinstance(receiver, ast.Attribute) and receiver.attr == "sampler" and isinstance(receiver.value, ast.Name)):
+    if not (isinstance(receiver, ast.Attribute) and receiver.attr == "sampler" and
+            isinstance(receiver.value, ast.Name)):
         return frozenset()
     values = program.values
     bound = values.info(scope).assigns.get(receiver.value.id, ()) if isinstance(scope, Function) else ()

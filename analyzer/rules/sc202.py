@@ -159,7 +159,8 @@ def _same_batch_repeats(info) -> bool:
         return False
     loop = max(loops, key=lambda n: n.lineno)
     if not isinstance(loop, ast.For) or not isinstance(loop.target, ast.Name) or \
-            not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name) and loop.iter.func.id == "range"):
+            not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name) and
+                 loop.iter.func.id == "range"):
         return False
     from synccheck.analyzer.project.branches import _COUNT_WORDS
     if any(_COUNT_WORDS.search(ast.unparse(a)) for a in loop.iter.args):
