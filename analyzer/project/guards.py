@@ -24,8 +24,6 @@ from typing import Optional
 
 MAX_ATOMS = 10
 WIDTH = 1 << MAX_ATOMS
-RESERVED = 1
-_COUNTING_KEYS = (("LAST",), ("ACCELERATE_SYNC_GRADIENTS",))
 TRUE = (1 << WIDTH) - 1
 FALSE = 0
 
@@ -122,11 +120,7 @@ class Atoms:
         atom = self.by_key.get(key)
         if atom is not None:
             return atom
-        # (the last RESERVED place is kept for counting tests: a loop's tests of NaN losses and
-        # per-parameter guards, read first, must not leave ``(step + 1) % accum == 0`` without one)
-        limit = MAX_ATOMS if mod is not None or (isinstance(key, tuple) and key[:1] in _COUNTING_KEYS) else \
-            MAX_ATOMS - RESERVED
-        if len(self.atoms) >= limit:
+        if len(self.atoms) >= MAX_ATOMS:
             self.overflowed = True
             return None
         atom = Atom(len(self.atoms), key, text, mod)
