@@ -11,7 +11,7 @@ import ast
 import re
 from typing import NamedTuple
 
-from synccheck.analyzer.project.definitions import enclosing_function
+from synccheck.analyzer.project.definitions import called_name, enclosing_function
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.traversal import walk, walk_no_defs
 from synccheck.analyzer.project.values import Func, Tup, Wrapper
@@ -46,9 +46,7 @@ def discarded_wrappers(program) -> list:
                 continue
             call = stmt.value
             first = call.args[0]
-            func = call.func
-            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-            if not isinstance(first, ast.Name) or not _WRAPPING_NAME.search(name):
+            if not isinstance(first, ast.Name) or not _WRAPPING_NAME.search(called_name(call)):
                 continue
             scope = enclosing_function(module, call) or module
             if not _trained_after(module, scope, call, first.id):
@@ -72,8 +70,7 @@ def _helper(values, call, scope):
     """"" when the call is the wrapper's class itself; the name of the project function that returns
     the wrapper and keeps it nowhere (no store to an attribute, an item or a global); None otherwise."""
     func = call.func
-    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-    if name in ("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP"):
+    if called_name(call) in ("DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP"):
         return ""
     targets = [v.fn for v in values.expr(func, scope) if isinstance(v, Func)] if isinstance(func, ast.Name) else \
         [v.fn for v in values.expr(func, scope) if hasattr(v, "fn") and isinstance(v.fn, Function)]
@@ -90,11 +87,15 @@ def _helper(values, call, scope):
     return fn.node.name
 
 
+def _scope_nodes(scope):
+    """The nodes of a function's own body (not its nested definitions), or of a whole module."""
+    return walk_no_defs(scope.node) if isinstance(scope, Function) else walk(scope.tree)
+
+
 def _used_after(scope, call, name: str) -> bool:
     """Is ``name`` read after the call in the same scope (the model trained as it is)?"""
-    node = scope.node if isinstance(scope, Function) else scope.tree
     end = (call.end_lineno or call.lineno, call.end_col_offset or 0)
-    for n in walk_no_defs(node) if isinstance(scope, Function) else walk(node):
+    for n in _scope_nodes(scope):
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) and \
                 (n.lineno, n.col_offset) > end:
             return True
@@ -103,8 +104,7 @@ def _used_after(scope, call, name: str) -> bool:
 
 def _wrapped_later(values, scope, call, name: str) -> bool:
     """Is ``name`` bound to a wrapper after the call (``DDP(model)`` tried, then ``model = DDP(model)``)?"""
-    node = scope.node if isinstance(scope, Function) else scope.tree
-    for n in walk_no_defs(node) if isinstance(scope, Function) else walk(node):
+    for n in _scope_nodes(scope):
         if isinstance(n, ast.Assign) and n.lineno > call.lineno and \
                 any(isinstance(t, ast.Name) and t.id == name for t in n.targets) and \
                 any(isinstance(v, Wrapper) for v in values.expr(n.value, scope)):

@@ -18,7 +18,7 @@ from synccheck.analyzer.project.call_kinds import (_FORWARD_METHOD, _HOUSEKEEPIN
                                                    FABRIC_REDIRECTED, _inner_wrappers, _submodule, clears_grads, forward_dispatch,
                                                    handed_a_token_count, handed_the_accumulation_count,
                                                    library_training_step, sets_sync_flag, sum_criterion, sum_reduced)
-from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.gradient_cache import _is_no_grad
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import FROZEN, EnvVal
@@ -661,7 +661,7 @@ def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
             names.append(source)
             own = source
     for n in list(names):
-        names += [t for t, value in calls.get(n, ()) if _called_name(value) == "compile" and t not in names]
+        names += [t for t, value in calls.get(n, ()) if called_name(value) == "compile" and t not in names]
     for n in names:
         for target, value in calls.get(n, ()):
             if target in names or not value.lineno < node.lineno <= (scope.node.end_lineno or node.lineno):
@@ -675,11 +675,6 @@ def _wrapped_under_another_name(flow, node, fr) -> Optional[frozenset]:
                 return None
             return wrappers
     return None
-
-
-def _called_name(call) -> str:
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
 
 
 def _calls_on_a_name(info) -> dict:

@@ -310,30 +310,27 @@ def _stored_calls(flow, node, fr) -> list:
     if not (isinstance(node.value, ast.Name) and isinstance(scope, Function) and scope.cls is not None and
             scope.params and node.value.id == scope.params[0]):
         return []
-    out = []
-    for klass in flow.project.mro(scope.cls):
-        for where, value, path in _class_attrs(flow.values, klass).get(node.attr, ()):
-            todo = [value]
-            while todo:
-                v = todo.pop()
-                if isinstance(v, ast.IfExp):
-                    todo += [v.body, v.orelse]
-                elif isinstance(v, ast.Call) and not path:
-                    out.append((v, where))
-                else:
-                    return []
-    return out
+    stores = [(where, value, path) for klass in flow.project.mro(scope.cls)
+              for where, value, path in _class_attrs(flow.values, klass).get(node.attr, ())]
+    if any(path for _, _, path in stores):
+        return []           # (stored into an item or unpacked: not a call's value)
+    return _calls_of([(value, where) for where, value, _ in stores])
 
 
 def _bound_calls(flow, name: str, fr) -> list:
     """(call, scope) for every expression ``name`` is bound to, in the function or at the module's top,
     through conditional expressions; [] when one of them is not a call."""
-    bound = flow.values.bound_expressions(name, fr.scope)
-    out = []
-    while bound:
-        value, where = bound.pop()
+    return _calls_of(flow.values.bound_expressions(name, fr.scope))
+
+
+def _calls_of(bound: list) -> list:
+    """(call, scope) for each (expression, scope), through conditional expressions; [] when one of them
+    is not a call."""
+    todo, out = list(bound), []
+    while todo:
+        value, where = todo.pop()
         if isinstance(value, ast.IfExp):
-            bound += [(value.body, where), (value.orelse, where)]
+            todo += [(value.body, where), (value.orelse, where)]
         elif isinstance(value, ast.Call):
             out.append((value, where))
         else:
