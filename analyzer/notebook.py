@@ -18,6 +18,10 @@ PYTHON_CELL_MAGICS = {"time", "timeit", "capture", "prun", "debug", "memit", "px
 ESCAPES = ("%", "!", "?", "/", ",", ";")
 # ``files = !ls`` and ``t = %timeit -o f()``: keep the assignment, drop the command.
 ASSIGN_MAGIC = re.compile(r"^(\s*[A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*\s*=\s*)[!%]")
+# IPython's automagic: a line magic or shell alias written without its ``%`` (``ls /data``, ``cd ..``,
+# ``pip install x``), read as such only when the line is no Python statement.
+AUTOMAGIC = re.compile(r"^(?:ls|ll|cd|pwd|cat|mkdir|rmdir|rm|cp|mv|pip|conda|env|clear|load_ext|matplotlib|"
+                       r"reload_ext|autoreload|run|time|timeit|who|whos|history|reset|pinfo|alias)\s+\S")
 
 
 class NotebookSource:
@@ -164,13 +168,24 @@ def python_lines(cell: List[str]) -> List[str]:
             if assigned:
                 out.append(assigned.group(1) + "None")
                 continue
-            if stripped.startswith(ESCAPES) or _help_suffix(stripped):
+            if stripped.startswith(ESCAPES) or _help_suffix(stripped) or _automagic(stripped):
                 out.append(indent + "pass")
                 shell_continues = stripped.rstrip().endswith("\\")
                 continue
         scanner.feed(line)
         out.append(line)
     return out
+
+
+def _automagic(stripped: str) -> bool:
+    """``ls /kaggle/working/dataset/``: a magic or alias without its ``%``, on a line that is no Python."""
+    if not AUTOMAGIC.match(stripped) or stripped.rstrip().endswith(("\\", ":", "(", "[", "{", ",")):
+        return False
+    try:
+        compile(stripped, "<cell>", "exec")
+    except SyntaxError:
+        return True
+    return False
 
 
 def _help_suffix(stripped: str) -> bool:

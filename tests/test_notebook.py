@@ -90,6 +90,11 @@ def test_magics_do_not_break_the_parse(tmp_path):
     (["# a comment", "x = 1"], ["# a comment", "x = 1"]),
     # a shell command continued over several lines (ABCD-3DCNN's notebooks): every line is the command's
     (["!python train.py \\", "  --lr 0.1 \\", "  --epochs 3", "x = 1"], ["pass", "", "", "x = 1"]),
+    # automagic: a shell alias or line magic without its ``%`` (a Kaggle notebook's ``ls /kaggle/...``),
+    # only where the line is no Python (``ls = 3`` and ``run(x)`` stay)
+    (["ls /kaggle/working/dataset/ ", "cd ..", "pip install torch"], ["pass", "pass", "pass"]),
+    (["ls = 3", "time = 4", "run(x)", "env = os.environ", "print(ls)"],
+     ["ls = 3", "time = 4", "run(x)", "env = os.environ", "print(ls)"]),
 ])
 def test_python_lines(cell_lines, expected):
     assert python_lines(cell_lines) == expected
