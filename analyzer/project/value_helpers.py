@@ -223,8 +223,16 @@ def _parameter_sources(arg, scope, values: Values, depth: int = 0) -> list:
                 receiver = receiver.value
             out.append(receiver)
         elif isinstance(node, ast.Name) and depth < 2 and isinstance(scope, Function):
-            for value, _ in values.info(scope).assigns.get(node.id, ()):
+            info = values.info(scope)
+            for value, _ in info.assigns.get(node.id, ()):
                 out.extend(_parameter_sources(value, scope, values, depth + 1))
+            # a list grown in place: ``params = [p for p in unet.parameters() if p.requires_grad]``,
+            # then ``params.extend(controlnet.parameters())`` (TailorEdit)
+            for call in info.calls:
+                func = call.func
+                if type(func) is ast.Attribute and func.attr in ("extend", "append") and call.args and \
+                        type(func.value) is ast.Name and func.value.id == node.id:
+                    out.extend(_parameter_sources(call.args[0], scope, values, depth + 1))
     return out
 
 

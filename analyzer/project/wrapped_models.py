@@ -164,7 +164,8 @@ class WrappedModels:
                 out.add(v)
             elif isinstance(v, Inner):
                 out.add(v.wrapper)
-            elif isinstance(v, Obj):
+            elif isinstance(v, (Obj, Inst)):
+                # (an instance of a project class is known by its class: ``learner = PrefixToken(4)``)
                 if wrapping is None:
                     wrapping = self.wrapping()
                 out |= wrapping.get(v, set())
