@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
-from synccheck.analyzer.project.values import Ext, Framework, Func, Inst, Obj
+from synccheck.analyzer.project.values import Ext, Framework, Func, Inst, Obj, Wrapper
 from synccheck.analyzer.project.traversal import children, walk
 from synccheck.analyzer.project.rank_tests import RANK_NAME, RankTests, _kind, _negation, _ranked
 from synccheck.analyzer.project.collective_calls import (_COMMUNICATING, _case_value, _collective_aliases,
@@ -353,6 +353,15 @@ class _RankChecker(RankTests):
                    (deepspeed or _names_checkpoints(self.values.project, v)) for v in receiver):
                 return "save_state"
             return None
+        if attr in ("save_checkpoint", "load_checkpoint"):
+            # a DeepSpeed engine's checkpoint, which every process must write (each saves its ZeRO
+            # shard, and the engine waits for all): ``model_engine.save_checkpoint(dir)`` of
+            # ``deepspeed.initialize``, or of ``ds_engine = accelerator.deepspeed_engine`` (lerobot forks)
+            receiver = self.values.expr(func.value, scope)
+            if any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in receiver) or \
+                    self._deepspeed_engine(func.value, scope):
+                return "save_checkpoint"
+            return None
         if attr in ("save", "load"):
             # ``fabric.save(path, state)`` / ``fabric.load(path)``: Fabric ends both with a barrier that
             # every process must reach (a single-device Fabric has no other process to wait for)
@@ -384,6 +393,16 @@ class _RankChecker(RankTests):
         if text.endswith(("accelerator", "fabric", "strategy")) and attr in vocab.FRAMEWORK_COLLECTIVES:
             return _kind(attr)
         return None
+
+    def _deepspeed_engine(self, node, scope) -> bool:
+        """``accelerator.deepspeed_engine``, or a local name bound only to it."""
+        if isinstance(node, ast.Attribute):
+            return node.attr == "deepspeed_engine"
+        if not isinstance(node, ast.Name) or not isinstance(scope, Function):
+            return False
+        bound = self.values.info(scope).assigns.get(node.id, ())
+        return bool(bound) and all(not path and isinstance(value, ast.Attribute) and value.attr == "deepspeed_engine"
+                                   for value, path in bound)
 
     def _communicating_method(self, call: ast.Call, scope) -> list:
         """``meter.synchronize_between_processes()`` on a meter we cannot trace (a value of

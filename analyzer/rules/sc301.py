@@ -229,7 +229,8 @@ def _rank_branch_calls(text: str) -> bool:
     for body in _rank_blocks(text):
         if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body or \
                 "summon_full_params(" in body or (
-                ".save_state(" in body and "accelerat" in text):
+                ".save_state(" in body and "accelerat" in text) or (
+                ".save_checkpoint(" in body and "deepspeed" in text):
             # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers;
             # under DeepSpeed, ``accelerator.save_state`` saves through a barrier: whether it runs
             # DeepSpeed, the script or the launch configurations beside it say, read later)
@@ -366,7 +367,8 @@ class CollectiveInRankBranch(Rule):
         # substring tests first: the regexes are slow over a large file
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
                 and (_has_collective(text) or "FULL_STATE_DICT" in text or "summon_full_params" in text or
-                     (".save_state(" in text and "accelerat" in text) or _FABRIC_CHECKPOINT.search(text) is not None)):
+                     (".save_state(" in text and "accelerat" in text) or _FABRIC_CHECKPOINT.search(text) is not None or
+                     (".save_checkpoint(" in text and "deepspeed" in text))):
             return False
         # a rank test behind a property (``if self.can_checkpoint:``) is not on the ``if`` line; a
         # function only rank 0 runs (``@rank_zero_only``, ``@accelerator.on_main_process``) has none
