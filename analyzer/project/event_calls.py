@@ -23,8 +23,8 @@ from synccheck.analyzer.project.gradient_cache import _is_no_grad
 from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import FROZEN, EnvVal
 from synccheck.analyzer.project.value_helpers import _class_attrs
-from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, Ext, Func, Inner, Inst, NativeScaler, Obj,
-                                               Optim, Super, Unknown, Wrapper, site_of)
+from synccheck.analyzer.project.values import (ONE_UNKNOWN, Bound, Cls, Const, CtxFactory, Ext, Framework, Func, Inner,
+                                               Inst, NativeScaler, Obj, Optim, Super, Unknown, Wrapper, site_of)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -244,7 +244,8 @@ def _call_on(flow, node: ast.Call, func, recv, args, kws, st, fr) -> EnvVal:
     if renamed:
         # ``ddp_model = DDP(model)`` and then ``model(x)``: the forward skips the wrapper
         return inner_forward(flow, node, renamed, args, kws, st, fr)
-    targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler))]
+    targets = [v for v in callee if isinstance(v, (Func, Bound, Cls, Inst, FlowPartial, FlowFactory, Ext, NativeScaler,
+                                                    CtxFactory))]
     if not targets and recv is not None and _opaque_object(recv.values) and any(
             flow.program.wrappers(a.values) for a in list(args) + list(kws.values())):
         # ``self.task.train_step(sample, self.model, ...)`` on an object from a registry: the
@@ -403,6 +404,22 @@ def _partial_of_a_loss_method(flow, key) -> bool:
         all(isinstance(t, Unknown) for t in flow.partials[key][0])
 
 
+def _stored_factory(flow, v, args) -> EnvVal:
+    """A sync control's callable kept in an attribute and called later: ``self.scope = self.model.no_sync``
+    then ``with self.scope():``, or ``self.scope = self.accelerator.accumulate`` then
+    ``with self.scope(self.model):`` (nougat-latex-ocr's trainer, ``nullcontext`` on one GPU)."""
+    owner = flow.values.context_models(v)
+    accelerators = [f for f in owner if isinstance(f, Framework) and f.kind == "accelerate"]
+    if accelerators:
+        models = frozenset()
+        for a in args if v.effect == "managed" else args[:1]:
+            models |= flow.program.wrappers(a.values)
+        counted = [f.site for f in accelerators if f.accumulates == "yes"]
+        counter = counted[0] if v.effect == "managed" and len(counted) == 1 else ()
+        return _val(frozenset((FlowCtx(v.effect, models, v.site, v.how + "()", counter=counter),)))
+    return _val(frozenset((FlowCtx(v.effect, flow.program.wrappers(owner), v.site, v.how + "()"),)))
+
+
 def _partial_of_factory(flow, v) -> bool:
     """A ``functools.partial`` of a sync control's factory (``partial(accelerator.no_sync, model)``)?"""
     return any(isinstance(t, FlowFactory) for t in flow.partials[v.key][0])
@@ -413,6 +430,8 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
         return _external(flow, node, v.qualname, args, kws, st, fr)
     if isinstance(v, FlowFactory):
         return _val(frozenset((FlowCtx(v.effect, v.models, v.site, v.how + "()"),)))
+    if isinstance(v, CtxFactory):
+        return _stored_factory(flow, v, args)
     if isinstance(v, NativeScaler):
         return _native_scaler(flow, node, args, kws, st, fr)
     if isinstance(v, FlowPartial):

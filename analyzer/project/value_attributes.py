@@ -51,6 +51,12 @@ class AttributeValues:
                 out |= self.loader_samplers(v, attr)
             elif isinstance(v, Sampler) and attr == "sampler":
                 out.add(v)      # ``loader.batch_sampler.sampler``: a batch sampler stands for what it wraps
+            elif isinstance(v, Framework) and v.kind == "accelerate" and attr in ("accumulate", "no_sync"):
+                # ``self.scope = self.accelerator.accumulate`` (kept to be called later, with the model):
+                # the callable form of accelerate's control
+                out.add(CtxFactory("managed" if attr == "accumulate" else "off", site_of(self.module_of(scope), node),
+                                   attr))
+                self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
             elif isinstance(v, (Obj, Unknown)) and attr == "no_sync":
                 out.add(CtxFactory("off", site_of(self.module_of(scope), node), "no_sync"))
                 self.sites[site_of(self.module_of(scope), node)] = (_receiver_of(node), scope)
