@@ -18,6 +18,11 @@ from synccheck.analyzer.project.definitions import Class, External, GlobalRef, M
 from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
 
 
+
+# names a library's ``from X import *`` binds that matter to the analysis, and those libraries
+_STAR_EXPORTED = frozenset(("DistributedSampler", "DataLoader", "DistributedDataParallel", "FullyShardedDataParallel"))
+_STAR_LIBRARIES = frozenset(("torch", "monai", "timm", "accelerate"))
+
 class Resolution:
     """Module resolution on the file system, names to symbols, and class hierarchies (a part of Project)."""
 
@@ -159,6 +164,12 @@ class Resolution:
                 found = self._resolve(target, name, seen)
                 if found is not None:
                     return found
+        if name in _STAR_EXPORTED:
+            # ``from monai.data import *`` then ``DistributedSampler(...)`` (VoCo): a library's star import
+            # gives the names it exports; only the few whose meaning matters here are taken from it
+            for mod, level in module.stars:
+                if not level and mod and mod.split(".")[0] in _STAR_LIBRARIES:
+                    return External(f"{mod}.{name}")
         return None
 
     def attribute(self, symbol, attr: str):

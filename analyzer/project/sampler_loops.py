@@ -172,6 +172,13 @@ def _loops_over_epochs(module) -> bool:
                         isinstance(a, ast.Name) and _LOADER_NAME.search(a.id) for a in n.args))
                         for b in node.body for n in walk(b)):
                 return True     # ``for i in range(args.epoch): train(i, loader, ...)``
+            if isinstance(node, ast.While) and _STEP_BUDGET.search(target) and any(
+                    isinstance(n, ast.Call) and _RUNS_AN_EPOCH.search(called_name(n) or "") and
+                    any(isinstance(a, ast.Name) and _LOADER_NAME.search(a.id) for a in n.args)
+                    for b in node.body for n in walk(b)):
+                # ``while global_step < args.num_steps: global_step, ... = train(args, global_step,
+                # train_loader, ...)`` (VoCo): each call is a pass over the loader
+                return True
             if any(isinstance(n, (ast.For, ast.While)) for b in node.body for n in block_nodes(b)) and \
                     _counts(node, module) and _TRAINS.search(module.segment(node) or ""):
                 # (a loop that trains, or yields batches: not a dataset's ``while len(pick) < n: for sub in ...``)
@@ -182,6 +189,7 @@ def _loops_over_epochs(module) -> bool:
 
 
 _RUNS_AN_EPOCH = re.compile(r"(?i)train|fit|epoch")
+_STEP_BUDGET = re.compile(r"(?i)step|iter")
 _TRAINS = re.compile(r"backward\(|\.step\(|train|fit\(|run_epoch|epoch|yield")
 
 
