@@ -134,7 +134,8 @@ def samplers_without_set_epoch(program) -> list:
     out = []
     epoch_loop = None         # asked once: nothing below parses or reads a file
     for module, call, sampler, scope in made:
-        if sampler in prepared or _seeded_by_epoch(call) or _over_data_made_each_epoch(scope, call):
+        if sampler in prepared or _seeded_by_epoch(call) or _over_data_made_each_epoch(scope, call) or \
+                _never_read(module, call, scope):
             continue
         shared = module.linted and _builder_shared(module, call, scope)
         if unknown_in and not shared and module.linted and sampler not in seeded and any(
@@ -622,3 +623,23 @@ def _assigned_name(module, call) -> str:
             # (``val_sampler = DistributedSampler(valset) if distributed else None`` too)
             return ast.unparse(node.targets[0])
     return "the sampler"
+
+
+def _never_read(module, call, scope) -> bool:
+    """Is the sampler bound to a local name that nothing reads (``train_sampler = DistributedSampler(ds)``
+    with the loader's ``sampler=train_sampler`` commented out, Med_Query)? Then no loader draws from it."""
+    if not isinstance(scope, Function):
+        return False
+    node = scope.node
+    name = None
+    for stmt in walk(node):
+        if isinstance(stmt, ast.Assign) and (stmt.value is call or isinstance(stmt.value, ast.IfExp) and
+                                             any(sub is call for sub in ast.walk(stmt.value))):
+            if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
+                return False
+            name = stmt.targets[0].id
+            break
+    if name is None:
+        return False
+    return not any(isinstance(n, ast.Name) and n.id == name and not isinstance(n.ctx, ast.Store)
+                   for n in ast.walk(node))
