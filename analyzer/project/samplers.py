@@ -119,7 +119,7 @@ def samplers_without_set_epoch(program) -> list:
                 seeded.setdefault(v, set()).add(values.module_of(scope))
     # ``getattr(loader.sampler, "set_epoch", lambda e: None)(epoch)``: called by a name in a string
     unknown = unknown or any(_SET_EPOCH_BY_NAME.search(m.text) for m in program.project.linted())
-    # an OpenMMLab runner trains on the loaders handed to it and reseeds their samplers itself
+    # an OpenMMLab (or catalyst) runner trains on the loaders handed to it and reseeds their samplers itself
     # (``DistSamplerSeedHook``; ``IterLoader`` calls ``set_epoch`` each pass): mmseg/mmdet's builder copies
     unknown = unknown or any(_MM_RUNNER.search(text) for text in
                              [m.text for m in program.project.modules()] +
@@ -270,7 +270,10 @@ _MANY_SAMPLERS = 8
 
 
 _MM_RUNNER = re.compile(r"from mmcv\.runner import [^\n]*\bbuild_runner\b|\bDistSamplerSeedHook\b|"
-                        r"from mmengine\.runner import [^\n]*\bRunner\b")
+                        r"from mmengine\.runner import [^\n]*\bRunner\b|"
+                        # catalyst's runners call ``set_epoch`` on the DistributedSampler of each loader
+                        # they are handed (Kaggle-2020-Alaska2's ``SupervisedRunner().train(loaders=...)``)
+                        r"from catalyst(?:\.dl)? import [^\n]*\b\w*Runner\b")
 
 
 def _takers_of(program, sampler) -> list:
