@@ -19,7 +19,7 @@ _SCOPE_TYPES = FUNCTION_TYPES + (ast.ClassDef, ast.Lambda)
 class ScopeInfo:
     __slots__ = ("assigns", "for_names", "with_as", "self_attrs", "obj_attrs", "calls", "returns", "has_yield",
                  "declared_global", "locals", "inplace_wraps", "set_epoch_calls", "spans", "loops", "where", "fors", "item_stores", "imports",
-                 "imports_more", "annotated", "first_args")
+                 "imports_more", "annotated", "first_args", "helper_calls")
 
     def __init__(self) -> None:
         self.assigns: dict = {}          # name -> [(value expr, unpack path)]
@@ -33,6 +33,7 @@ class ScopeInfo:
         self.declared_global: set = set()
         self.locals: set = set()
         self.inplace_wraps: list = []    # (name, call) for ``fully_shard(model)`` as a statement
+        self.helper_calls: list = []     # (name, call) for ``apply_fsdp(model)``, a plain call as a statement
         self.spans: dict = {}            # name -> [Span], one per entry of assigns[name], same order
         self.loops: list = []            # (first line, last line) of every loop in the scope
         self.where = None                # the statement being read (while reading)
@@ -160,6 +161,8 @@ def _statements(body, info: ScopeInfo, self_name, always: bool) -> None:
                 name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
                 if name in ("fully_shard", "replicate"):
                     info.inplace_wraps.append((call.args[0].id, call))
+                elif isinstance(func, ast.Name):
+                    info.helper_calls.append((call.args[0].id, call))
         else:
             for field in ("test", "value", "exc", "subject", "msg"):
                 node = getattr(stmt, field, None)

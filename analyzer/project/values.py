@@ -229,6 +229,20 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
             out.add(Ext(name) if name in _BUILTINS else Obj((module.path, "<free>", name)))
         return frozenset(out)
 
+    def _sharded_by_helper(self, call, scope) -> frozenset:
+        """The wrappers a project function makes of its first parameter in place (``def apply_fsdp(model):
+        fully_shard(model)``), for the name a statement ``apply_fsdp(model)`` hands it (duo-attention,
+        after ``model = model.model``: an attribute of a value not followed)."""
+        out = set()
+        for v in self.expr(call.func, scope):
+            fn = v.fn if isinstance(v, Func) else None
+            if fn is None or not fn.params or fn.is_method:
+                continue
+            for target, inner in self.info(fn).inplace_wraps:
+                if target == fn.params[0]:
+                    out |= {w for w in self.expr(inner, fn) if isinstance(w, Wrapper)}
+        return frozenset(out)
+
     def _local(self, name: str, fn: Function, info, reach=None) -> frozenset:
         out = set()
         key = ("local", fn.uid, name) if reach is None else ("local", fn.uid, name, reach)
@@ -253,6 +267,9 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
         for target, call in info.inplace_wraps:
             if target == name:
                 out |= self.expr(call, fn)
+        for target, call in info.helper_calls:
+            if target == name:
+                out |= self._sharded_by_helper(call, fn)
         if name in fn.nested:
             out.add(Func(fn.nested[name]))
         local_class = fn.module.classes.get(f"{fn.qualname}.<locals>.{name}")
