@@ -118,3 +118,71 @@ def _trained_after(module, scope, call, name: str) -> bool:
     end = scope.node.end_lineno if isinstance(scope, Function) else None
     lines = module.text.splitlines()[call.end_lineno or call.lineno:end]
     return re.search(_TRAINING.format(name=re.escape(name)), "\n".join(lines)) is not None
+
+
+class UnwrappedInLoop(NamedTuple):
+    module: object
+    node: ast.Assign        # ``model = accelerator.unwrap_model(model)`` inside the training loop
+    model: str
+
+
+def unwrapped_in_the_loop(program) -> list:
+    """``model = accelerator.unwrap_model(model)`` (or ``model = model.module``) inside the loop that
+    trains ``model``, to save a checkpoint (rbiswasfc's Kaggle solutions): every later turn runs the
+    forward on the module inside the wrapper, so no backward all-reduces again and the replicas
+    diverge. Not when the loop leaves right after, nor when the name is wrapped again in the loop."""
+    values = program.values
+    out = []
+    for module in program.project.linted():
+        text = module.text
+        if "unwrap_model(" not in text and ".module\n" not in text and ".module)" not in text:
+            continue
+        for loop in walk(module.tree):
+            if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
+                continue
+            body = [n for s in loop.body for n in walk_no_defs(s)]
+            if not any(isinstance(n, ast.Attribute) and n.attr == "backward" for n in body):
+                continue
+            for n in body:
+                name = _unwrapping(n)
+                if name is None or _leaves_after(loop, n):
+                    continue
+                if not any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == name
+                           for c in body):
+                    continue        # (no forward through the name in the loop)
+                if sum(isinstance(a, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in a.targets)
+                       for a in body) > 1:
+                    continue        # (bound again in the loop: wrapped again, or restored)
+                scope = enclosing_function(module, n) or module
+                if any(isinstance(v, Wrapper) and v.kind in ("ddp", "fsdp", "accelerate")
+                       for v in values.expr(ast.Name(id=name, ctx=ast.Load(), lineno=loop.lineno,
+                                                     col_offset=loop.col_offset), scope)):
+                    out.append(UnwrappedInLoop(module, n, name))
+    return out
+
+
+def _unwrapping(node):
+    """The name ``node`` rebinds to the module inside its wrapper: ``x = accelerator.unwrap_model(x)``,
+    ``x = x.module``; None otherwise."""
+    if not isinstance(node, ast.Assign) or len(node.targets) != 1 or not isinstance(node.targets[0], ast.Name):
+        return None
+    name, value = node.targets[0].id, node.value
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "unwrap_model" and \
+            len(value.args) == 1 and isinstance(value.args[0], ast.Name) and value.args[0].id == name:
+        return name
+    if isinstance(value, ast.Attribute) and value.attr == "module" and isinstance(value.value, ast.Name) and \
+            value.value.id == name:
+        return name
+    return None
+
+
+def _leaves_after(loop, node) -> bool:
+    """Does the block holding ``node`` (inside ``loop``) leave the loop after it (``break``, ``return``)?"""
+    for block_owner in walk(loop):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(block_owner, field, None)
+            if isinstance(block, list) and node in block:
+                after = block[block.index(node) + 1:]
+                # (a ``break`` further down under a test of its own, early stopping, leaves only sometimes)
+                return any(isinstance(x, (ast.Break, ast.Return)) for x in after)
+    return False

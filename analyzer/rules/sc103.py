@@ -21,7 +21,10 @@ class UnsyncedStep(Rule):
         boundary micro-step, a forward inside `no_sync()` whose backward runs outside it (DDP decides
         at the forward). Also a forward that skips the wrapper (`model.module(x)`, the module a DDP
         wrapper was built around called by its own name, or handed to a helper that runs it): its
-        backward all-reduces nothing.
+        backward all-reduces nothing. So does a wrapper built and thrown away, and a model rebound to
+        the module inside its wrapper in the middle of the training loop
+        (`model = accelerator.unwrap_model(model)` to save a checkpoint): every later turn trains
+        the bare module.
     """
     why = """
         Under `no_sync()` each rank keeps its own local gradients. If the optimizer steps on them,
@@ -133,7 +136,7 @@ class UnsyncedStep(Rule):
 
     def check(self, ctx):
         from synccheck.analyzer.fix import plan
-        from synccheck.analyzer.project.discarded import discarded_wrappers
+        from synccheck.analyzer.project.discarded import discarded_wrappers, unwrapped_in_the_loop
         from synccheck.analyzer.project.micro_step_facts import unsynced_steps
 
         for found in discarded_wrappers(ctx.program):
@@ -148,6 +151,14 @@ class UnsyncedStep(Rule):
                        f"keep the wrapper and train through it: `{found.model} = ...(...)`",
                        autofix=lambda: {"reason": "which of the later uses of the model should go through the "
                                                   "wrapper is for you to decide"})
+
+        for found in unwrapped_in_the_loop(ctx.program):
+            ctx.report(self, found.module, found.node,
+                       f"this rebinds `{found.model}` to the module inside its wrapper in the middle of the training "
+                       f"loop: every later forward skips the wrapper, so no backward all-reduces again and the "
+                       f"optimizer steps on each rank's own gradients; the replicas silently diverge",
+                       f"unwrap into a name of its own (`unwrapped = {ctx.text(found.module, found.node.value)}`) "
+                       f"and keep training `{found.model}`")
 
         for flow in ctx.flows:
             for step_site, token, outcomes, group in unsynced_steps(flow):
