@@ -472,11 +472,16 @@ def _reseeds_its_own(program, scope, made_in) -> bool:
     return made_in.cls in program.project.subclasses(scope.cls) and class_never_made(program, made_in)
 
 
+def _is_self(node, method) -> bool:
+    return isinstance(node, ast.Name) and bool(method.params) and node.id == method.params[0]
+
+
 def _seeded_by_set_epoch(klass) -> bool:
     """A DistributedSampler subclass whose order the epoch set by ``set_epoch`` seeds: it keeps the
     base's ``__iter__``, or its own calls ``super().__iter__()`` or reads ``self.epoch``. One that bumps
-    ``self.epoch`` itself on every pass (``self.epoch += 1`` outside ``set_epoch``) reshuffles without
-    it, and one with an order of its own that no epoch seeds needs none."""
+    ``self.epoch`` itself on every pass (``self.epoch += 1`` outside ``set_epoch``, or
+    ``self.set_epoch(self.epoch + 1)`` in its ``__iter__``) reshuffles without it, and one with an order
+    of its own that no epoch seeds needs none."""
     iterate = klass.methods.get("__iter__")
     if iterate is None:
         return True
@@ -487,6 +492,9 @@ def _seeded_by_set_epoch(klass) -> bool:
             if isinstance(node, ast.AugAssign) and _is_self_epoch(node.target) or (
                     method is iterate and isinstance(node, ast.Assign) and any(map(_is_self_epoch, node.targets))):
                 return False
+            if method is iterate and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "set_epoch" and _is_self(node.func.value, method):
+                return False        # ``self.set_epoch(self.epoch + 1)`` at the end of each pass (dolomite-engine)
     return any(_is_self_epoch(node) or is_super_call(node, "__iter__") for node in ast.walk(iterate.node))
 
 
