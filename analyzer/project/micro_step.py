@@ -277,6 +277,36 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
     _each(st, transfer)
 
 
+def _only_without_accumulation(fr, node) -> bool:
+    """Is the call under ``if <accumulation count> == 1:`` in its function (llm-random's
+    ``if self.gradient_accumulation_steps == 1: self.optimizer.zero_grad()``): run only when nothing
+    accumulates, so it wipes no window?"""
+    scope = getattr(fr.scope, "node", None)
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
+            "accum" not in (fr.module.segment(scope) or "").lower():
+        return False
+    for n in walk(scope):
+        if isinstance(n, ast.If) and _one_micro_step(n.test) and any(x is node for s in n.body for x in walk(s)):
+            return True
+    return False
+
+
+def _one_micro_step(test) -> bool:
+    """``accum == 1``, ``accum <= 1``, ``accum < 2`` (or ``1 == accum``) for a count named for accumulation."""
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return False
+    left, op, right = test.left, test.ops[0], test.comparators[0]
+    if isinstance(left, ast.Constant) and isinstance(op, ast.Eq):
+        left, right = right, left
+    if not isinstance(right, ast.Constant) or not _ACCUM_NAME.search(ast.unparse(left)):
+        return False
+    return isinstance(op, ast.Eq) and right.value == 1 or isinstance(op, ast.LtE) and right.value == 1 or \
+        isinstance(op, ast.Lt) and right.value == 2
+
+
+_ACCUM_NAME = re.compile(r"(?i)accum")
+
+
 def _sync_gradients_atom(flow):
     atom = flow.atoms.get(("ACCELERATE_SYNC_GRADIENTS",), "accelerator.sync_gradients")
     if atom is not None:
@@ -289,7 +319,7 @@ def zero_grad(flow, node, vals: frozenset, st, fr, unknown: bool = False) -> Non
     name, which leaves alone the gradients of micro-steps inside ``accelerator.accumulate`` (see step).
     An optimizer accelerate prepared clears them only where ``accelerator.sync_gradients`` holds: on
     the boundary micro-step, which is where a ``zero_grad`` before the backward throws the window away."""
-    if any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals):
+    if any(isinstance(v, Wrapper) and v.kind == "deepspeed" for v in vals) or _only_without_accumulation(fr, node):
         return
     prepared = any(isinstance(v, Optim) and v.managed for v in vals)
     if prepared and not any(c.effect == "managed" for prop in st.props for c in prop.controls):
