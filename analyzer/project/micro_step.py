@@ -280,15 +280,19 @@ def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
 def _only_without_accumulation(fr, node) -> bool:
     """Is the call under ``if <accumulation count> == 1:`` in its function (llm-random's
     ``if self.gradient_accumulation_steps == 1: self.optimizer.zero_grad()``): run only when nothing
-    accumulates, so it wipes no window?"""
+    accumulates, so it wipes no window? Not inside a loop of the same function, which may accumulate
+    over something else than that count."""
     scope = getattr(fr.scope, "node", None)
     if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)) or \
             "accum" not in (fr.module.segment(scope) or "").lower():
         return False
+    guarded = False
     for n in walk(scope):
+        if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and any(x is node for x in walk(n)):
+            return False    # (OpenNMT's truncated-BPTT chunks: a loop of its own accumulates, whatever the count)
         if isinstance(n, ast.If) and _one_micro_step(n.test) and any(x is node for s in n.body for x in walk(s)):
-            return True
-    return False
+            guarded = True
+    return guarded
 
 
 def _one_micro_step(test) -> bool:
