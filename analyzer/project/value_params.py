@@ -299,6 +299,10 @@ class ParameterValues:
             # (``model.train()`` inside ``Trainer.train(self, loader, model)``: nn.Module.train)
             candidates = [(scope, call) for scope, call in candidates if not (
                 scope is fn and _through_local(call, scope) and (not fn.params or call.func.value.id != fn.params[0]))]
+        if fn.cls is None:
+            # ``train_function = train_epoch_wild if cfg.wild else train_epoch``, then
+            # ``train_function(config, model=model, ...)`` (Real3D): the calls of the local it is bound to
+            candidates += self._alias_calls(fn)
         # (a training method called on an object made out of view, in a lint of single files: see _duck_call)
         ducks = fn.cls is not None and self.project.single_files and bool(_ENTRY_METHOD.search(fn.node.name))
         if len(candidates) <= MAX_CALLERS:
@@ -331,6 +335,21 @@ class ParameterValues:
             out.extend((scope, call, 0) for scope, call in self._registry_calls(fn)[:MAX_CALLERS])
         self._plain[key] = tuple(out)
         return self._plain[key]
+
+    def _alias_calls(self, fn: Function) -> list:
+        """(scope, call) for the calls of a local name a function is bound to, as itself or one side of a
+        conditional expression, in the scope that binds it."""
+        name = fn.node.name
+        out = []
+        for module in self.project.modules():
+            if name not in module.text:
+                continue
+            for scope in [module] + list(module.functions.values()):
+                for alias, bound in self.info(scope).assigns.items():
+                    if alias == name or not any(not path and _names_function(value, name) for value, path in bound):
+                        continue
+                    out += [(s, c) for s, c in self.calls(alias) if s is scope and isinstance(c.func, ast.Name)]
+        return out[:MAX_CALLERS]
 
     def _launched(self, fn: Function) -> list:
         out = []
@@ -411,3 +430,10 @@ def _annotation_of(fn: Function, name: str):
         if arg.arg == name:
             return arg.annotation
     return None
+
+
+def _names_function(value, name: str) -> bool:
+    """Is ``value`` the name, or a conditional expression with the name on one side?"""
+    if isinstance(value, ast.Name):
+        return value.id == name
+    return isinstance(value, ast.IfExp) and (_names_function(value.body, name) or _names_function(value.orelse, name))
