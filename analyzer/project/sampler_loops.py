@@ -90,6 +90,18 @@ def _takers(program, sampler) -> list:
                 made = next((value for value, path in bound if type(value) is ast.Call and _holds(
                     values, values.unpack(values.expr(value, scope), path, value, scope), sampler)), made)
                 out.append((module, made, f"{name}.sampler" if loader else name, scope))
+        # ``self.train_dataloader = build_dataloader(cfg, 'Train', ...)`` in a trainer's ``__init__``
+        # (OpenOCR's tools/engine/trainer.py): the trainer's epoch loop iterates it
+        for scope in module.functions.values():
+            if not scope.is_method:
+                continue
+            for attr, bound in values.info(scope).self_attrs.items():
+                if not _LOADER_NAME.search(attr) or not bound or type(bound[0][0]) is not ast.Call or bound[0][1]:
+                    continue
+                held = values.expr(bound[0][0], scope)
+                if _holds(values, held, sampler):
+                    loader = not any(v == sampler for v in held)
+                    out.append((module, bound[0][0], f"self.{attr}.sampler" if loader else f"self.{attr}", scope))
     if not out:
         # ``def train_validate_test(model, optimizer, train_loader, ...)``: handed the loader, it loops
         # over epochs itself (said at that loop)
