@@ -140,10 +140,19 @@ class Program(Words, WrappedModels):
                 return out
             for module in fresh:
                 seen.add(module.path)
-                if not (module.linted or module.context) or module.on_demand:
+                if not (module.linted or module.context) or module.on_demand and not module.linted:
                     # (a file parsed on demand, for a caller or a subclass, has none of a training
                     # loop's words: gate.eager said it cannot hold a finding; a context file's loop
                     # is a root, its findings in the linted files are reported)
+                    continue
+                if module.on_demand:
+                    # a linted base class parsed for its subclass: its loop may drive the subclass's step
+                    # (dessurt's ``BaseTrainer.train``: ``for self.iteration in range(...):
+                    # self._train_iteration(self.iteration)``, the backward in QATrainer's override)
+                    out.extend(fn for fn in list(module.functions.values()) if fn.cls is not None and
+                               _loops(fn.node.body) and self._calls_a_hook(fn) and
+                               self._calls_eventful(module.segment(fn.node), fn.uid) and
+                               self._loop_reaches_backward(fn.node.body, fn, _loops(fn.node.body)))
                     continue
                 engine_steps = _engine_process_functions(module) if "Engine(" in module.text else ()
                 for fn in list(module.functions.values()):
@@ -175,6 +184,19 @@ class Program(Words, WrappedModels):
                 loops = _loops(top)
                 if loops and self._loop_reaches_backward(top, module, loops):
                     out.append(module)
+
+    def _calls_a_hook(self, fn) -> bool:
+        """Does the method call, on ``self``, one its class leaves to subclasses (abstract, a stub, or
+        not defined in the class at all)?"""
+        if not fn.params:
+            return False
+        for node in walk(fn.node):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == fn.params[0]:
+                found = self.project.attribute(fn.cls, node.func.attr)
+                if found is None or isinstance(found, Function) and (found.abstract or found.stub):
+                    return True
+        return False
 
     def _calls_eventful(self, segment: str, key=None) -> bool:
         """Does this code call, by name, a function of the project whose text says a training loop's
