@@ -9,7 +9,7 @@ from typing import Optional
 
 from synccheck.analyzer.project.definitions import Function, called_name
 from synccheck.analyzer.project.traversal import block_nodes, walk
-from synccheck.analyzer.project.values import Loader
+from synccheck.analyzer.project.values import Bag, Loader, Tup
 
 
 # a function that evaluates (``run_test``, ``evaluate``, ``validate``): a sampler it builds is read once
@@ -129,7 +129,11 @@ def _epoch_loop_of(fn) -> Optional[ast.For]:
 
 
 def _draws_from(values, held, sampler) -> bool:
-    """Is one of ``held`` a loader whose ``.sampler`` is ``sampler``?"""
+    """Is one of ``held`` a loader whose ``.sampler`` is ``sampler``, or a container that holds one
+    (``dataloaders = {"Train": DataLoader(ds, sampler=sampler), ...}`` handed to ``train(..., dataloaders)``)?"""
+    containers = frozenset(v for v in held if isinstance(v, (Bag, Tup)))
+    if containers:
+        held = held | values.elements(containers, values_of_dict=True)
     return any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler") for v in held)
 
 
