@@ -64,9 +64,9 @@ def collectives_in_rank_branches(program) -> list:
             while isinstance(outer, Function) and outer.uid not in checker.serving:
                 outer = outer.parent
             if (outer.uid if isinstance(outer, Function) else module.path) not in checker.serving:
-                out.extend(_unbalanced(module, found, checker.guarded))
+                out.extend(_unbalanced(module, found, checker.guarded, checker.exiting))
         for found in paired.values():
-            out.extend(_unbalanced(module, found, checker.guarded))
+            out.extend(_unbalanced(module, found, checker.guarded, checker.exiting))
     return out
 
 
@@ -89,7 +89,7 @@ def _serving_loop(stmt) -> bool:
 _ENTER_EXIT = ("__enter__", "__exit__", "__aenter__", "__aexit__")
 
 
-def _unbalanced(module, found: list, guarded=frozenset()) -> list:
+def _unbalanced(module, found: list, guarded=frozenset(), exiting=frozenset()) -> list:
     """Collectives that one side of the rank tests runs more often than the other (the download-first
     idiom runs one barrier on each side, which balances). ``guarded``: the ids of collectives that run
     on their side only when a further test holds; where one side's are all guarded so and the other's
@@ -108,6 +108,11 @@ def _unbalanced(module, found: list, guarded=frozenset()) -> list:
                            for node, what, side, test, through in main_guarded + other_guarded)
             continue
         extra = main if len(main) > len(other) else other
+        fewer = other if extra is main else main
+        leaving = [f for f in extra if id(f[0]) in exiting]
+        if leaving and len(extra) - len(leaving) == len(fewer) and len(leaving) <= len(fewer) and \
+                not any(id(f[0]) in exiting for f in fewer):
+            continue        # (each path of the busier side runs as many: the one that leaves early, or the rest)
         for node, what, side, test, through in extra:
             out.append(RankCollective(module, node, what, test, through))
     return out
@@ -123,6 +128,7 @@ class _RankChecker(RankTests):
         self._full_state_dict: list = []     # the models of the ``with FSDP.state_dict_type(model, FULL_STATE_DICT)`` around
         self._guarded = 0                    # how many tests other than the ranks' guard the walk here
         self.guarded: set = set()            # ids of the collectives found under such a test, on one side
+        self.exiting: set = set()            # ids of those in a block that then leaves (``...; return``)
         self.serving: set = set()            # the scopes with a serving loop on one side (_serving_loop)
         self._context: list = []             # the tests a rank branch's ``return`` sits under (walk)
 
@@ -172,7 +178,12 @@ class _RankChecker(RankTests):
                 said = ast.unparse(stmt.test)
                 guarded = side is not None and on_true is None and on_false is None and said not in self._context
                 self._guarded += guarded
+                before = len(found)
                 left = self.walk(stmt.body, side, test, scope, found)
+                if side is not None and _exits(stmt.body):
+                    # ``if config is None: broadcast_object_list([None, None]); return`` on the main side:
+                    # the path that leaves here runs these instead of what follows
+                    self.exiting.update(id(f[0]) for f in found[before:])
                 left_else = self.walk(stmt.orelse, side, test, scope, found)
                 self._guarded -= guarded
                 if side is None and left is not None and left_else is None and not _exits(stmt.orelse):
