@@ -156,7 +156,12 @@ class _RankChecker(RankTests):
                     # the cache is missing, which the other side's barrier does not wait for
                     extra = self._extra_condition(stmt.test, scope)
                     self._guarded += extra
+                    before = len(found)
                     self.walk(stmt.body, on_true, text, scope, found)
+                    if extra and _exits(stmt.body):
+                        # ``if rank == 0 and os.path.exists(index): ...; broadcast(...); return``: one path
+                        # of the main side; without the index it goes on to the broadcasts further down
+                        self.exiting.update(id(f[0]) for f in found[before:])
                     self._guarded -= extra
                     self.walk(stmt.orelse, on_false, negated, scope, found)
                     # (a branch that raises is an error check, ``if world_size == 1 and rank != 0: raise``,
