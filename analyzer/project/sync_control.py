@@ -103,6 +103,11 @@ def _enter(flow, s, i: int, st, fr, owner: int):
     if i == len(s.items):
         return flow.block(s.body, st, fr)
     item = s.items[i]
+    if isinstance(item.context_expr, ast.BoolOp):
+        # ``with accelerator.accumulate(model) and torch.no_grad():`` enters only what ``and`` gives, the
+        # last operand (a context object is true); ``or`` gives the first (mustango's evaluation loop)
+        operand = item.context_expr.values[-1 if isinstance(item.context_expr.op, ast.And) else 0]
+        item = ast.withitem(context_expr=operand, optional_vars=item.optional_vars)
     value = expr(flow, item.context_expr, st, fr)
     vals = value.values
     if item.optional_vars is not None:
