@@ -253,7 +253,11 @@ class Flow(Branches, Loops):
         body = self.block(s.body, st, fr)
         handlers = []
         if s.handlers:
-            into = self.join([entry, body.copy() if body is not None else None])
+            # a handler runs when the body failed part-way: from the state before the body (the body's
+            # last statement raising after all the others ran is one path among many, and reading it as
+            # the handler's would have a boundary micro-step that ran skip its step: HMA's
+            # ``try: ... backward ...; if not is_update_step: continue`` / ``except Exception: continue``)
+            into = entry
             for handler in s.handlers:
                 if into is not None:
                     handlers.append(self.block(handler.body, into.copy(), fr))
