@@ -51,7 +51,7 @@ def _external(flow, node, qual: str, args, kws, st, fr) -> Optional[EnvVal]:
         if isinstance(target, ast.Attribute) and target.attr == "set_requires_gradient_sync":
             # ``partial(model.set_requires_gradient_sync, recurse=True)``: FSDP2's switch, set when called
             receiver = expr(flow, target.value, st, fr)
-            flow.partials[key] = (frozenset((SyncSetter(flow.program.wrappers(receiver.values)),)),
+            flow.partials[key] = (frozenset((SyncSetter(_fsdp2(flow.program.wrappers(receiver.values))),)),
                                   tuple(args[1:]), dict(kws))
         else:
             flow.partials[key] = (args[0].values, tuple(args[1:]), dict(kws))
@@ -238,8 +238,11 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         guard = _cond_of(flow, enabled, enabled_node, st, fr) if enabled is not None else None
         return _val(frozenset((FlowCtx("off", models, site, _text(fr, node), guard),)))
     if attr == "set_requires_gradient_sync" and args:
-        models = program.wrappers(vals)
-        flag(flow, node, models, _cond_of(flow, args[0], node.args[0], st, fr), st, fr)
+        # FSDP2's switch (and composable replicate's): a DDP or FSDP1 wrapper the same name holds on
+        # another path has no such method (tinyworlds' ``if isinstance(model, FSDPModule):`` before it)
+        models = _fsdp2(program.wrappers(vals))
+        if models:
+            flag(flow, node, models, _cond_of(flow, args[0], node.args[0], st, fr), st, fr)
         return NONE_VAL
     if attr == "__enter__" and flow.entering and any(isinstance(v, FlowCtx) for v in vals):
         # ``self._ctx = self.model.no_sync(); self._ctx.__enter__()`` in a context object's __enter__:
@@ -450,3 +453,8 @@ from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowPartial, S
                                                expr)
 from synccheck.analyzer.project.micro_step import backward, collective, flag, forward, step, zero_grad
 from synccheck.analyzer.project.sync_control import push_controls
+
+
+def _fsdp2(models: frozenset) -> frozenset:
+    """The wrappers that have ``set_requires_gradient_sync``: FSDP2's (``fully_shard``, ``replicate``)."""
+    return frozenset(m for m in models if getattr(m, "kind", "") == "fsdp2")
