@@ -46,6 +46,9 @@ def forward(flow, node, models: frozenset, args, kws, st, fr) -> EnvVal:
     managed = flow.program.managed_models()
 
     def transfer(prop, guard):
+        if any(c.effect == "nograd" for c in prop.controls):
+            yield prop, guard       # under ``torch.no_grad()`` entered on an ExitStack: no graph, no backward
+            return
         forwards = [f for f in prop.forwards if f.model not in models]
         for model in sorted(models, key=repr):
             if model.kind == "deepspeed":

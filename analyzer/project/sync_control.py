@@ -38,8 +38,10 @@ def push_controls(flow, node, value: EnvVal, st, fr, owner: int, at=None) -> Non
             g = guard & formula & first
             if not g:
                 continue
-            ctxs = [v for v in vals if isinstance(v, FlowCtx) and v.effect in ("off", "managed", "unknown")]
-            others = [v for v in vals if not (isinstance(v, FlowCtx) and v.effect in ("off", "managed", "unknown"))]
+            # (``stack.enter_context(torch.no_grad())`` on some paths: "nograd", a control of no model)
+            ctxs = [v for v in vals if isinstance(v, FlowCtx) and v.effect in ("off", "managed", "unknown", "nograd")]
+            others = [v for v in vals if not (isinstance(v, FlowCtx) and v.effect in ("off", "managed", "unknown",
+                                                                                      "nograd"))]
             if others or not ctxs:
                 yield prop, g
             for c in ctxs:
