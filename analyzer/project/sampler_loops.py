@@ -58,6 +58,20 @@ def _handed_loaders(module):
             for name in fn.params:
                 if _LOADER_NAME.search(name):
                     yield fn, loop, name
+    # a trainer class handed the loader in its constructor (``Trainer(..., train_data_loader, ...)``,
+    # kept as ``self.train_data_loader``) and looping over epochs in another method
+    for klass in module.classes.values():
+        init = klass.methods.get("__init__")
+        if init is None:
+            continue
+        loop = next((found for method in klass.methods.values() if method is not init
+                     for found in [_epoch_loop_of(method)] if found is not None), None)
+        if loop is None:
+            continue
+        for stmt in init.node.body:
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and isinstance(stmt.value, ast.Name) and \
+                    stmt.value.id in init.params[1:] and _LOADER_NAME.search(stmt.value.id):
+                yield init, loop, stmt.value.id
 
 
 def _builder_shared(module, call, scope) -> bool:
