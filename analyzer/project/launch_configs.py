@@ -9,7 +9,9 @@ import re
 from functools import lru_cache
 from typing import Optional
 
-_DISTRIBUTED_TYPE = re.compile(r"^[ \t]*distributed_type[ \t]*:[ \t]*['\"]?(\w+)", re.M)
+# YAML (``distributed_type: DEEPSPEED``) or JSON (``"distributed_type": "DEEPSPEED"``, DASCO's
+# ``accelerate launch --config_file deepspeed_ddp.json``)
+_DISTRIBUTED_TYPE = re.compile(r"^[ \t]*[\"']?distributed_type[\"']?[ \t]*:[ \t]*['\"]?(\w+)", re.M)
 _LEVELS = 3                 # the script's folder and this many above it
 _MAX_FILES = 64             # YAML files read per folder, at most
 _MAX_BYTES = 64_000
@@ -52,7 +54,7 @@ def consulted() -> list:
 
 @lru_cache(maxsize=256)
 def _kinds_in(folder: str) -> tuple:
-    """(the ``distributed_type`` values of the YAML files of ``folder`` and of its sub-folders whose name
+    """(the ``distributed_type`` values of the YAML and JSON files of ``folder`` and of its sub-folders whose name
     says they hold configurations, the folders and files read, whether the search stops here). It stops
     at a repository's root (a ``.git``); a folder of hundreds of entries is a workspace, not a project
     (pytest's temporary folders, a folder of checkouts): neither it nor anything above it is read."""
@@ -72,7 +74,7 @@ def _kinds_in(folder: str) -> tuple:
         read_paths.append(where)
         read = 0
         for name in names:
-            if not name.endswith((".yaml", ".yml")) or read >= _MAX_FILES:
+            if not name.endswith((".yaml", ".yml", ".json")) or read >= _MAX_FILES:
                 continue
             read += 1
             try:
