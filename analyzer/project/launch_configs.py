@@ -37,6 +37,70 @@ def ships_only_deepspeed(path: Optional[str]) -> bool:
     return bool(kinds) and kinds == {"DEEPSPEED"}
 
 
+def deepspeed_leaves_accumulation_to_accelerate(path: Optional[str]) -> bool:
+    """Do the DeepSpeed launch configurations beside ``path`` all leave the number of micro-steps to
+    accelerate (no ``gradient_accumulation_steps`` of their own, or ``"auto"`` in the DeepSpeed JSON they
+    name)? Then it is the Accelerator's (LMFlow-distill: ``Accelerator()`` and ``"auto"``: one)."""
+    if not path or not os.path.isfile(path):
+        return False
+    folder = os.path.dirname(os.path.abspath(path))
+    verdicts: set = set()
+    for _ in range(_LEVELS + 1):
+        found, _read, top = _kinds_in(folder)
+        verdicts |= _accumulation_in(folder) if "DEEPSPEED" in found else set()
+        parent = os.path.dirname(folder)
+        if top or parent == folder:
+            break
+        folder = parent
+    return verdicts == {"auto"}
+
+
+@lru_cache(maxsize=256)
+def _accumulation_in(folder: str) -> frozenset:
+    """For each DeepSpeed launch configuration of ``folder`` (and its config sub-folders): "set" when it
+    or the DeepSpeed JSON it names gives more than one micro-step, "auto" when neither gives a number
+    (or gives one), "unknown" when the JSON it names cannot be read."""
+    out = set()
+    for where in [folder] + _config_folders(folder):
+        try:
+            names = sorted(os.listdir(where))[:_MAX_FILES * 4]
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith((".yaml", ".yml", ".json")):
+                continue
+            text = _head(os.path.join(where, name))
+            if not any(m.upper() == "DEEPSPEED" for m in _DISTRIBUTED_TYPE.findall(text)):
+                continue
+            given = _STEPS_GIVEN.search(text)
+            if given:
+                out.add("set" if int(given.group(1)) > 1 else "auto")
+                continue
+            named = _DS_CONFIG_FILE.search(text)
+            if named is None:
+                out.add("auto")
+                continue
+            target = _head(os.path.normpath(os.path.join(where, named.group(1))))
+            if not target:
+                target = _head(os.path.normpath(os.path.join(folder, named.group(1))))
+            given = _STEPS_GIVEN.search(target)
+            out.add("unknown" if not target else "set" if given and int(given.group(1)) > 1 else "auto")
+    return frozenset(out)
+
+
+def _head(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_MAX_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+# a number of micro-steps written out (YAML ``gradient_accumulation_steps: 2``, JSON ``"...": 2``), not "auto"
+_STEPS_GIVEN = re.compile(r"""["']?gradient_accumulation_steps["']?[ \t]*:[ \t]*(\d+)""")
+_DS_CONFIG_FILE = re.compile(r"""["']?deepspeed_config_file["']?[ \t]*:[ \t]*["']?([^"'\s,}]+)""")
+
+
 # the folders listed and the files read since reset(): a results cache's entry depends on them
 _CONSULTED: set = set()
 
@@ -45,6 +109,7 @@ def reset() -> None:
     """Forget what was read (a new lint: the files may have changed since)."""
     _CONSULTED.clear()
     _kinds_in.cache_clear()
+    _accumulation_in.cache_clear()
     _pin_in.cache_clear()
 
 

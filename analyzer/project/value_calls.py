@@ -19,7 +19,8 @@ from synccheck.analyzer.project.options import keyword_argument, known_bool
 from synccheck.analyzer.project.traversal import walk_no_defs
 from synccheck.analyzer.project.value_helpers import (_accumulates, _argument, _first_arg, _kw, _parameter_sources, _sharded,
                                                       _single_device, _strings, _text, _truthy, module_or_itself)
-from synccheck.analyzer.project.value_frameworks import launched_with_deepspeed, reads_the_plugin
+from synccheck.analyzer.project.value_frameworks import (deepspeed_gives_the_micro_steps, launched_with_deepspeed,
+                                                          reads_the_plugin)
 from synccheck.analyzer.project.value_types import (EMPTY, ONE_UNKNOWN, UNKNOWN, Accumulator, Bag, Bound, Cls, Const, Ctx,
                                                     CtxFactory, Ext, Framework, Func, Inner, Inst, Loader, LocalSGD,
                                                     NativeScaler, Obj, Optim, Partial, Sampler, Scaler, Tup, Wrapper, _cap,
@@ -257,10 +258,12 @@ class CallValues:
             return frozenset((Wrapper(kind, site, static),))
         if qual in vocab.ACCELERATOR:
             accumulates = _accumulates(call)
-            if accumulates == "no" and (reads_the_plugin(scope) or launched_with_deepspeed(scope)):
+            if accumulates == "no" and (reads_the_plugin(scope) or launched_with_deepspeed(scope) and
+                                        deepspeed_gives_the_micro_steps(scope)):
                 # a function that reads the DeepSpeed plugin unconditionally (it is None otherwise), or a
                 # project whose launch configurations are all DeepSpeed's: the DeepSpeed config says how
-                # many micro-steps (vk_embedder's ``...deepspeed_config['gradient_accumulation_steps'] = 1``)
+                # many micro-steps (vk_embedder's ``...deepspeed_config['gradient_accumulation_steps'] = 1``),
+                # unless it says ``"auto"``: the Accelerator's count, one (LMFlow-distill)
                 accumulates = "unknown"
             return frozenset((Framework("accelerate", site, accumulates),))
         if qual in vocab.FABRIC:

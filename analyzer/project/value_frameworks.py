@@ -142,6 +142,14 @@ def launched_with_deepspeed(scope) -> bool:
     return ships_only_deepspeed(getattr(module, "path", None))
 
 
+def deepspeed_gives_the_micro_steps(scope) -> bool:
+    """Does a DeepSpeed launch configuration the project ships give the number of micro-steps (not
+    ``"auto"``, which leaves it to ``Accelerator(gradient_accumulation_steps=...)``)?"""
+    from synccheck.analyzer.project.launch_configs import deepspeed_leaves_accumulation_to_accelerate
+    module = scope.module if isinstance(scope, Function) else scope
+    return not deepspeed_leaves_accumulation_to_accelerate(getattr(module, "path", None))
+
+
 def _deepspeed_only(scope) -> bool:
     """Does the scope bind a name only where DeepSpeed runs (``if accelerator.state.deepspeed_plugin is
     not None: gradient_accumulation_steps = ...deepspeed_config["gradient_accumulation_steps"]``) and
