@@ -170,7 +170,26 @@ class WrappedModels:
                     wrapping = self.wrapping()
                 out |= wrapping.get(v, set())
                 out |= self.wrappers((v,))
+                if isinstance(v, Inst):
+                    out |= self._holding(v, wrapping)
         return frozenset(out)
+
+    def _holding(self, inst, wrapping) -> set:
+        """The wrappers built around an instance of a project class that keeps ``inst`` in an attribute
+        set in its ``__init__`` (lightweight_gan's ``D_aug = AugWrapper(D)`` prepared beside ``D``: the
+        discriminator's optimizer steps the parameters both wrappers hold)."""
+        out = set()
+        for holder, wrappers in wrapping.items():
+            if not isinstance(holder, Inst) or holder == inst:
+                continue
+            init = holder.cls.methods.get("__init__")
+            if init is None:
+                continue
+            for attr in self.values.info(init).self_attrs:
+                if inst in self.values.instance_attribute(holder, attr):
+                    out |= wrappers
+                    break
+        return out
 
     def managed_models(self) -> frozenset:
         """Models under LocalSGD / a model averager: their gradient sync is off by design."""
