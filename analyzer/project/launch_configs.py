@@ -58,8 +58,8 @@ def deepspeed_leaves_accumulation_to_accelerate(path: Optional[str]) -> bool:
 @lru_cache(maxsize=256)
 def _accumulation_in(folder: str) -> frozenset:
     """For each DeepSpeed launch configuration of ``folder`` (and its config sub-folders): "set" when it
-    or the DeepSpeed JSON it names gives more than one micro-step, "auto" when neither gives a number
-    (or gives one), "unknown" when the JSON it names cannot be read."""
+    or the DeepSpeed JSON it names gives a number of micro-steps, "auto" when neither does, "unknown"
+    when the JSON it names cannot be read."""
     out = set()
     for where in [folder] + _config_folders(folder):
         try:
@@ -72,9 +72,8 @@ def _accumulation_in(folder: str) -> frozenset:
             text = _head(os.path.join(where, name))
             if not any(m.upper() == "DEEPSPEED" for m in _DISTRIBUTED_TYPE.findall(text)):
                 continue
-            given = _STEPS_GIVEN.search(text)
-            if given:
-                out.add("set" if int(given.group(1)) > 1 else "auto")
+            if _STEPS_GIVEN.search(text):
+                out.add("set")      # (a number written out, even one, is the user's choice)
                 continue
             named = _DS_CONFIG_FILE.search(text)
             if named is None:
@@ -83,8 +82,7 @@ def _accumulation_in(folder: str) -> frozenset:
             target = _head(os.path.normpath(os.path.join(where, named.group(1))))
             if not target:
                 target = _head(os.path.normpath(os.path.join(folder, named.group(1))))
-            given = _STEPS_GIVEN.search(target)
-            out.add("unknown" if not target else "set" if given and int(given.group(1)) > 1 else "auto")
+            out.add("unknown" if not target else "set" if _STEPS_GIVEN.search(target) else "auto")
     return frozenset(out)
 
 
