@@ -142,13 +142,18 @@ def _epoch_loop_of(fn) -> Optional[ast.For]:
     return None
 
 
-def _draws_from(values, held, sampler) -> bool:
-    """Is one of ``held`` a loader whose ``.sampler`` is ``sampler``, or a container that holds one
-    (``dataloaders = {"Train": DataLoader(ds, sampler=sampler), ...}`` handed to ``train(..., dataloaders)``)?"""
-    containers = frozenset(v for v in held if isinstance(v, (Bag, Tup)))
-    if containers:
-        held = held | values.elements(containers, values_of_dict=True)
-    return any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler") for v in held)
+def _draws_from(values, held, sampler, containers: bool = False) -> bool:
+    """Is one of ``held`` a loader whose ``.sampler`` is ``sampler``? With ``containers``, or a container
+    that holds one (``dataloaders = {"Train": DataLoader(ds, sampler=sampler), ...}`` handed to
+    ``train(..., dataloaders)``): for a parameter, not a name a builder's tuple is bound to."""
+    inside = set()
+    for v in held if containers else ():
+        if isinstance(v, Bag) and v.fields:
+            # (``{"train": ..., "val": ..., "test": ...}``: the evaluation entries are not trained on)
+            inside.update(x for key, vals in v.fields if not _EVALUATION.search(str(key)) for x in vals)
+        elif isinstance(v, (Bag, Tup)):
+            inside |= values.elements(frozenset((v,)), values_of_dict=True)
+    return any(isinstance(v, Loader) and sampler in values.loader_samplers(v, "sampler") for v in held | inside)
 
 
 def _holds(values, held, sampler) -> bool:

@@ -154,10 +154,13 @@ def samplers_without_set_epoch(program) -> list:
                 if len(sites) == 1:
                     # ``train(model, train_dataloader, ...)`` of another file loops over the epochs
                     # itself, handed the loader (MPCoder's train_utils.py): said at that loop too
+                    # (not where a set_epoch not followed may reseed it: MineSegSAT's
+                    # ``dataloaders["train"].sampler.set_epoch(epoch)`` in the function handed the loaders)
                     sites += [(m, loop, f"{name}.sampler", fn) for m in program.project.linted() if m is not module
+                              and not any(x is m or _import_related(x, m) for x in unknown_in)
                               for fn, loop, name in _handed_loaders(m)
                               if not _EVALUATION.search(name) and
-                              _draws_from(program.values, program.values.parameter(fn, name), sampler)]
+                              _draws_from(program.values, program.values.parameter(fn, name), sampler, containers=True)]
         elif module.linted and not shared:
             sites = []
         else:
