@@ -132,7 +132,7 @@ def unwrapped_in_the_loop(program) -> list:
     forward on the module inside the wrapper, so no backward all-reduces again and the replicas
     diverge. Not when the loop leaves right after, nor when the name is wrapped again in the loop."""
     values = program.values
-    out = []
+    out, seen = [], set()
     for module in program.project.linted():
         text = module.text
         if "unwrap_model(" not in text and ".module\n" not in text and ".module)" not in text:
@@ -145,8 +145,8 @@ def unwrapped_in_the_loop(program) -> list:
                 continue
             for n in body:
                 name = _unwrapping(n)
-                if name is None or _leaves_after(loop, n):
-                    continue
+                if name is None or id(n) in seen or _leaves_after(loop, n):
+                    continue        # (an inner loop's rebinding is in the outer loop's body too: said once)
                 if not any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id == name
                            for c in body):
                     continue        # (no forward through the name in the loop)
@@ -158,6 +158,7 @@ def unwrapped_in_the_loop(program) -> list:
                        for v in values.expr(ast.Name(id=name, ctx=ast.Load(), lineno=loop.lineno,
                                                      col_offset=loop.col_offset), scope)):
                     out.append(UnwrappedInLoop(module, n, name))
+                    seen.add(id(n))
     return out
 
 
