@@ -342,7 +342,11 @@ class ParameterValues:
         name = fn.node.name
         out = []
         for module in self.project.modules():
-            if name not in module.text:
+            words = module.derived.get("alias words")
+            if words is None:
+                words = module.derived["alias words"] = frozenset(
+                    w for groups in _ALIASING.findall(module.text) for w in groups if w)
+            if name not in words:
                 continue
             for scope in [module] + list(module.functions.values()):
                 for alias, bound in self.info(scope).assigns.items():
@@ -430,6 +434,10 @@ def _annotation_of(fn: Function, name: str):
         if arg.arg == name:
             return arg.annotation
     return None
+
+
+# where a text may bind a local to a function: ``= name`` (not called), ``name if ...``, ``else name``
+_ALIASING = re.compile(r"=[ \t]*([A-Za-z_]\w*)[ \t]*(?=$|#|\bif\b)|\belse[ \t]+([A-Za-z_]\w*)", re.M)
 
 
 def _names_function(value, name: str) -> bool:

@@ -176,11 +176,13 @@ class WrappedModels:
 
     def _holding(self, inst, wrapping) -> set:
         """The wrappers built around an instance of a project class that keeps ``inst`` in an attribute
-        set in its ``__init__`` (lightweight_gan's ``D_aug = AugWrapper(D)`` prepared beside ``D``: the
-        discriminator's optimizer steps the parameters both wrappers hold)."""
+        set in its ``__init__``, prepared by accelerate (lightweight_gan's ``D_aug = AugWrapper(D)`` prepared
+        beside ``D``: the discriminator's optimizer steps the parameters both wrappers hold)."""
         out = set()
         for holder, wrappers in wrapping.items():
-            if not isinstance(holder, Inst) or holder == inst:
+            # (accelerate's prepared modules only: a script prepares a few; a library's tests wrap hundreds)
+            if not isinstance(holder, Inst) or holder == inst or \
+                    not any(getattr(w, "kind", "") == "accelerate" for w in wrappers):
                 continue
             init = holder.cls.methods.get("__init__")
             if init is None:
