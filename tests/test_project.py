@@ -1548,6 +1548,41 @@ def test_launch_configs_are_a_dependency_of_the_cached_result(tmp_path):
     assert codes() == []                        # not every launch is DeepSpeed's: save_state meets no one
 
 
+# accumulate() on an Accelerator built without gradient_accumulation_steps (SC105 unless DeepSpeed's
+# configuration gives the number of micro-steps)
+ACCUMULATE_WITHOUT_STEPS = (
+    "from accelerate import Accelerator\n\n\n"
+    "def main(model, optimizer, loader):\n"
+    "    accelerator = Accelerator()\n"
+    "    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
+    "    for batch in loader:\n"
+    "        with accelerator.accumulate(model):\n"
+    "            accelerator.backward(model(**batch).loss)\n"
+    "            optimizer.step()\n"
+    "            optimizer.zero_grad()\n")
+
+
+def test_the_deepspeed_json_a_launch_config_names_is_a_dependency_of_the_cached_result(tmp_path):
+    """The micro-step count of a DeepSpeed launch is read from the JSON its accelerate config names:
+    ``"auto"`` leaves it to ``Accelerator()`` (SC105); writing a number there must not be hidden by
+    the cache."""
+    from synccheck.analyzer.engine import lint
+
+    (tmp_path / "train.py").write_text(ACCUMULATE_WITHOUT_STEPS)
+    (tmp_path / "ds.yaml").write_text("deepspeed_config:\n  deepspeed_config_file: ds_zero2.json\n"
+                                      "distributed_type: DEEPSPEED\n")
+    (tmp_path / "ds_zero2.json").write_text('{"gradient_accumulation_steps": "auto"}\n')
+    cache = str(tmp_path / "cache")
+
+    def codes():
+        return sorted(f.code for f in lint([str(tmp_path)], cache_dir=cache, jobs=1).findings)
+
+    assert codes() == ["SC105"]
+    assert codes() == ["SC105"]                 # from the cache
+    (tmp_path / "ds_zero2.json").write_text('{"gradient_accumulation_steps": 4}\n')
+    assert codes() == []                        # DeepSpeed's count now: the Accelerator accumulates
+
+
 def test_launch_configs_are_read_within_the_repository_only(tmp_path):
     """The search for accelerate configurations climbs from the script's folder, but not past the
     repository's root (a ``.git``), and not into a sibling folder that only has "config" in its name."""

@@ -22,18 +22,7 @@ _CROWDED = 256              # entries: a folder this full holds many projects, n
 def ships_only_deepspeed(path: Optional[str]) -> bool:
     """Do the accelerate configurations found beside ``path`` (its folder, the folders above it, and
     their sub-folders named for configs) all launch DeepSpeed, at least one of them?"""
-    if not path or not os.path.isfile(path):
-        return False        # (a text checked on its own: no folder around it)
-    kinds: set = set()
-    folder = os.path.dirname(os.path.abspath(path))
-    for _ in range(_LEVELS + 1):
-        found, read, top = _kinds_in(folder)
-        kinds |= found
-        _CONSULTED.update(read)
-        parent = os.path.dirname(folder)
-        if top or parent == folder:
-            break
-        folder = parent
+    kinds = set().union(*(found for found, _ in _configs_around(path)))
     return bool(kinds) and kinds == {"DEEPSPEED"}
 
 
@@ -41,49 +30,45 @@ def deepspeed_leaves_accumulation_to_accelerate(path: Optional[str]) -> bool:
     """Do the DeepSpeed launch configurations beside ``path`` all leave the number of micro-steps to
     accelerate (no ``gradient_accumulation_steps`` of their own, or ``"auto"`` in the DeepSpeed JSON they
     name)? Then it is the Accelerator's (LMFlow-distill: ``Accelerator()`` and ``"auto"``: one)."""
+    verdicts = set().union(*(steps for found, steps in _configs_around(path) if "DEEPSPEED" in found))
+    return verdicts == {"auto"}
+
+
+def _configs_around(path: Optional[str]) -> list:
+    """(the ``distributed_type`` values, the DeepSpeed micro-step verdicts) of the configurations of
+    ``path``'s folder and of each folder above it (``_LEVELS``), up to a repository's root; what was
+    read to say so is consulted. Empty for a text checked on its own (no folder around it)."""
     if not path or not os.path.isfile(path):
-        return False
+        return []
+    out = []
     folder = os.path.dirname(os.path.abspath(path))
-    verdicts: set = set()
     for _ in range(_LEVELS + 1):
-        found, _read, top = _kinds_in(folder)
-        verdicts |= _accumulation_in(folder) if "DEEPSPEED" in found else set()
+        found, read, top, steps = _kinds_in(folder)
+        _CONSULTED.update(read)
+        out.append((found, steps))
         parent = os.path.dirname(folder)
         if top or parent == folder:
             break
         folder = parent
-    return verdicts == {"auto"}
+    return out
 
 
-@lru_cache(maxsize=256)
-def _accumulation_in(folder: str) -> frozenset:
-    """For each DeepSpeed launch configuration of ``folder`` (and its config sub-folders): "set" when it
-    or the DeepSpeed JSON it names gives a number of micro-steps, "auto" when neither does, "unknown"
-    when the JSON it names cannot be read."""
-    out = set()
-    for where in [folder] + _config_folders(folder):
-        try:
-            names = sorted(os.listdir(where))[:_MAX_FILES * 4]
-        except OSError:
-            continue
-        for name in names:
-            if not name.endswith((".yaml", ".yml", ".json")):
-                continue
-            text = _head(os.path.join(where, name))
-            if not any(m.upper() == "DEEPSPEED" for m in _DISTRIBUTED_TYPE.findall(text)):
-                continue
-            if _STEPS_GIVEN.search(text):
-                out.add("set")      # (a number written out, even one, is the user's choice)
-                continue
-            named = _DS_CONFIG_FILE.search(text)
-            if named is None:
-                out.add("auto")
-                continue
-            target = _head(os.path.normpath(os.path.join(where, named.group(1))))
-            if not target:
-                target = _head(os.path.normpath(os.path.join(folder, named.group(1))))
-            out.add("unknown" if not target else "set" if _STEPS_GIVEN.search(target) else "auto")
-    return frozenset(out)
+def _micro_steps(text: str, where: str, folder: str, read_paths: list) -> str:
+    """A DeepSpeed launch configuration's number of micro-steps: "set" when it or the DeepSpeed JSON it
+    names writes one out (even one: the user's choice), "auto" when neither does, "unknown" when the
+    JSON it names cannot be read. The JSON read is recorded in ``read_paths``."""
+    if _STEPS_GIVEN.search(text):
+        return "set"
+    named = _DS_CONFIG_FILE.search(text)
+    if named is None:
+        return "auto"
+    for base in (where, folder):
+        target_path = os.path.normpath(os.path.join(base, named.group(1)))
+        target = _head(target_path)
+        if target:
+            read_paths.append(target_path)
+            return "set" if _STEPS_GIVEN.search(target) else "auto"
+    return "unknown"
 
 
 def _head(path: str) -> str:
@@ -107,7 +92,6 @@ def reset() -> None:
     """Forget what was read (a new lint: the files may have changed since)."""
     _CONSULTED.clear()
     _kinds_in.cache_clear()
-    _accumulation_in.cache_clear()
     _pin_in.cache_clear()
 
 
@@ -118,17 +102,18 @@ def consulted() -> list:
 @lru_cache(maxsize=256)
 def _kinds_in(folder: str) -> tuple:
     """(the ``distributed_type`` values of the YAML and JSON files of ``folder`` and of its sub-folders whose name
-    says they hold configurations, the folders and files read, whether the search stops here). It stops
+    says they hold configurations, the folders and files read, whether the search stops here, the
+    micro-step verdicts of its DeepSpeed configurations: _micro_steps). It stops
     at a repository's root (a ``.git``); a folder of hundreds of entries is a workspace, not a project
     (pytest's temporary folders, a folder of checkouts): neither it nor anything above it is read."""
-    out = set()
+    out, steps = set(), set()
     read_paths = []
     try:
         entries = os.listdir(folder)
     except OSError:
         entries = []
     if len(entries) > _CROWDED:
-        return frozenset(), (), True
+        return frozenset(), (), True, frozenset()
     for where in [folder] + _config_folders(folder):
         try:
             names = sorted(os.listdir(where))[:_MAX_FILES * 4]
@@ -140,16 +125,14 @@ def _kinds_in(folder: str) -> tuple:
             if not name.endswith((".yaml", ".yml", ".json")) or read >= _MAX_FILES:
                 continue
             read += 1
-            try:
-                with open(os.path.join(where, name), "rb") as f:
-                    text = f.read(_MAX_BYTES).decode("utf-8", "replace")
-            except OSError:
-                continue
-            found = _DISTRIBUTED_TYPE.findall(text)
+            text = _head(os.path.join(where, name))
+            found = [m.upper() for m in _DISTRIBUTED_TYPE.findall(text)]
             if found:
                 read_paths.append(os.path.join(where, name))
-            out.update(m.upper() for m in found)
-    return frozenset(out), tuple(read_paths), ".git" in entries
+            if "DEEPSPEED" in found:
+                steps.add(_micro_steps(text, where, folder, read_paths))
+            out.update(found)
+    return frozenset(out), tuple(read_paths), ".git" in entries, frozenset(steps)
 
 
 def _config_folders(folder: str) -> list:
