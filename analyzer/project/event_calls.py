@@ -404,19 +404,14 @@ def _partial_of_a_loss_method(flow, key) -> bool:
         all(isinstance(t, Unknown) for t in flow.partials[key][0])
 
 
-def _stored_factory(flow, v, args) -> EnvVal:
+def _stored_factory(flow, node, v, args, fr) -> EnvVal:
     """A sync control's callable kept in an attribute and called later: ``self.scope = self.model.no_sync``
     then ``with self.scope():``, or ``self.scope = self.accelerator.accumulate`` then
     ``with self.scope(self.model):`` (nougat-latex-ocr's trainer, ``nullcontext`` on one GPU)."""
     owner = flow.values.context_models(v)
-    accelerators = [f for f in owner if isinstance(f, Framework) and f.kind == "accelerate"]
+    accelerators = frozenset(f for f in owner if isinstance(f, Framework) and f.kind == "accelerate")
     if accelerators:
-        models = frozenset()
-        for a in args if v.effect == "managed" else args[:1]:
-            models |= flow.program.wrappers(a.values)
-        counted = [f.site for f in accelerators if f.accumulates == "yes"]
-        counter = counted[0] if v.effect == "managed" and len(counted) == 1 else ()
-        return _val(frozenset((FlowCtx(v.effect, models, v.site, v.how + "()", counter=counter),)))
+        return accelerate_control(flow, v.how, accelerators, node, args, fr, v.site, v.how + "()")
     return _val(frozenset((FlowCtx(v.effect, flow.program.wrappers(owner), v.site, v.how + "()"),)))
 
 
@@ -431,7 +426,7 @@ def _call_target(flow, node, v, recv, args, kws, st, fr) -> Optional[EnvVal]:
     if isinstance(v, FlowFactory):
         return _val(frozenset((FlowCtx(v.effect, v.models, v.site, v.how + "()"),)))
     if isinstance(v, CtxFactory):
-        return _stored_factory(flow, v, args)
+        return _stored_factory(flow, node, v, args, fr)
     if isinstance(v, NativeScaler):
         return _native_scaler(flow, node, args, kws, st, fr)
     if isinstance(v, FlowPartial):
@@ -712,6 +707,7 @@ def _calls_on_a_name(info) -> dict:
 from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, _reading_the_flag, FlowFactory, FlowHelper,
                                                FlowPartial, SyncSetter, _cond_of, _property_test, _prov, _val, expr)
 from synccheck.analyzer.project.inlining import _held_models, inline
-from synccheck.analyzer.project.event_methods import _external, _method, _native_scaler, _project_method
+from synccheck.analyzer.project.event_methods import (_external, _method, _native_scaler, _project_method,
+                                                      accelerate_control)
 from synccheck.analyzer.project.micro_step import (backward, flag, forward, inner_forward, step as micro_step,
                                                    zero_grad)

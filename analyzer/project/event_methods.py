@@ -206,24 +206,7 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
             return _val(frozenset((FlowCtx("unknown", built, site, _text(fr, node)),)))
         return _val(frozenset((FlowCtx("off", models, site, _text(fr, node)),)))
     if attr in ("no_sync", "accumulate") and "accelerate" in frameworks:
-        # ``accelerator.accumulate(generator, discriminator)``: every model named (no_sync takes one)
-        models = frozenset()
-        named = list(zip(node.args, args)) if attr == "accumulate" else list(zip(node.args, args))[:1]
-        # ``accelerator.accumulate([model, loss_module])``: a list is no model; accelerate's
-        # ``no_sync(list)`` falls back to a nullcontext, so nothing it holds skips the all-reduce
-        # (accumulate still moves accelerate's step counter: a prepared optimizer steps at the boundary)
-        # (``models_to_accumulate = [transformer]`` passed by its name, diffusers' LoRA scripts, is the same)
-        named = [(n, a) for n, a in named if not a_sequence(flow.values, fr.scope, n)]
-        if args and not named:
-            models = frozenset((_NO_MODEL,))
-        for _, a in named:
-            models |= program.wrappers(a.values)
-        effect = "managed" if attr == "accumulate" else "off"
-        # the accelerator whose micro-step counter ``accumulate()`` moves, when it was given a
-        # gradient_accumulation_steps (each call counts a micro-step: see sync_control.push_controls)
-        counted = [v.site for v in vals if isinstance(v, Framework) and v.kind == "accelerate" and v.accumulates == "yes"]
-        counter = counted[0] if attr == "accumulate" and len(counted) == 1 else ()
-        return _val(frozenset((FlowCtx(effect, models, site, _text(fr, node), counter=counter),)))
+        return accelerate_control(flow, attr, vals, node, args, fr, site, _text(fr, node))
     if attr == "accumulate" and any(isinstance(v, Accumulator) for v in vals):
         models = frozenset()
         for v in vals:
@@ -453,6 +436,30 @@ from synccheck.analyzer.project.events import (NONE_VAL, FlowCtx, FlowPartial, S
                                                expr)
 from synccheck.analyzer.project.micro_step import backward, collective, flag, forward, step, zero_grad
 from synccheck.analyzer.project.sync_control import push_controls
+
+
+def accelerate_control(flow, attr: str, vals, node, args, fr, site, how: str) -> EnvVal:
+    """``accelerator.accumulate(...)`` / ``accelerator.no_sync(model)`` called (``vals``: the accelerator),
+    directly or through its method kept in an attribute (``self.scope = self.accelerator.accumulate``,
+    then ``self.scope(self.model)``: event_calls._stored_factory): the control on the models named."""
+    # ``accelerator.accumulate(generator, discriminator)``: every model named (no_sync takes one)
+    models = frozenset()
+    named = list(zip(node.args, args)) if attr == "accumulate" else list(zip(node.args, args))[:1]
+    # ``accelerator.accumulate([model, loss_module])``: a list is no model; accelerate's
+    # ``no_sync(list)`` falls back to a nullcontext, so nothing it holds skips the all-reduce
+    # (accumulate still moves accelerate's step counter: a prepared optimizer steps at the boundary)
+    # (``models_to_accumulate = [transformer]`` passed by its name, diffusers' LoRA scripts, is the same)
+    named = [(n, a) for n, a in named if not a_sequence(flow.values, fr.scope, n)]
+    if args and not named:
+        models = frozenset((_NO_MODEL,))
+    for _, a in named:
+        models |= flow.program.wrappers(a.values)
+    effect = "managed" if attr == "accumulate" else "off"
+    # the accelerator whose micro-step counter ``accumulate()`` moves, when it was given a
+    # gradient_accumulation_steps (each call counts a micro-step: see sync_control.push_controls)
+    counted = [v.site for v in vals if isinstance(v, Framework) and v.kind == "accelerate" and v.accumulates == "yes"]
+    counter = counted[0] if attr == "accumulate" and len(counted) == 1 else ()
+    return _val(frozenset((FlowCtx(effect, models, site, how, counter=counter),)))
 
 
 def _fsdp2(models: frozenset) -> frozenset:
