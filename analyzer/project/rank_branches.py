@@ -158,10 +158,10 @@ class _RankChecker(RankTests):
                     self._guarded += extra
                     before = len(found)
                     self.walk(stmt.body, on_true, text, scope, found)
-                    if extra and _exits(stmt.body):
+                    if extra:
                         # ``if rank == 0 and os.path.exists(index): ...; broadcast(...); return``: one path
                         # of the main side; without the index it goes on to the broadcasts further down
-                        self.exiting.update(id(f[0]) for f in found[before:])
+                        self._leaving(stmt.body, found[before:])
                     self._guarded -= extra
                     self.walk(stmt.orelse, on_false, negated, scope, found)
                     # (a branch that raises is an error check, ``if world_size == 1 and rank != 0: raise``,
@@ -185,10 +185,10 @@ class _RankChecker(RankTests):
                 self._guarded += guarded
                 before = len(found)
                 left = self.walk(stmt.body, side, test, scope, found)
-                if side is not None and _exits(stmt.body):
+                if side is not None:
                     # ``if config is None: broadcast_object_list([None, None]); return`` on the main side:
                     # the path that leaves here runs these instead of what follows
-                    self.exiting.update(id(f[0]) for f in found[before:])
+                    self._leaving(stmt.body, found[before:])
                 left_else = self.walk(stmt.orelse, side, test, scope, found)
                 self._guarded -= guarded
                 if side is None and left is not None and left_else is None and not _exits(stmt.orelse):
@@ -231,6 +231,12 @@ class _RankChecker(RankTests):
             del self._full_state_dict[len(self._full_state_dict) - len(full):]
             for handler in getattr(stmt, "handlers", ()):
                 self.walk(handler.body, side, test, scope, found)
+
+    def _leaving(self, body, found: list) -> None:
+        """The collectives ``found`` in ``body`` are one path of their side when the body then leaves
+        (``...; return``): ``_unbalanced`` counts them apart from the rest of that side."""
+        if _exits(body):
+            self.exiting.update(id(f[0]) for f in found)
 
     def _serves(self, loop, scope) -> bool:
         """Does the serving loop run a collective (itself or through a project function)?"""
