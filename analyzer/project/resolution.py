@@ -17,11 +17,10 @@ from synccheck.analyzer.imports import by_tail, folder_word, path_tails, sys_pat
 from synccheck.analyzer.project.definitions import Class, External, GlobalRef, Module, ModuleRef
 from synccheck.analyzer.project.vocabulary import FRAMEWORK_PACKAGES
 
-
-
 # names a library's ``from X import *`` binds that matter to the analysis, and those libraries
 _STAR_EXPORTED = frozenset(("DistributedSampler", "DataLoader", "DistributedDataParallel", "FullyShardedDataParallel"))
 _STAR_LIBRARIES = frozenset(("torch", "monai", "timm", "accelerate"))
+
 
 class Resolution:
     """Module resolution on the file system, names to symbols, and class hierarchies (a part of Project)."""
