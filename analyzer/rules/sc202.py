@@ -140,8 +140,9 @@ def _random_restarts(info) -> bool:
     return False
 
 
-# a call that draws new data inside the loop (``X, Y = get_batch("train")``, ``next(it)``)
-_DRAWS = re.compile(r"next\b|batch|load|fetch|data|read", re.I)
+# a call that draws new data inside the loop (``X, Y = get_batch("train")``, ``next(it)``; a GAN's generator
+# step draws its micro-batch as noise: ``mixing_noise(chunk, ...)``, ``torch.randn(chunk, dim)``)
+_DRAWS = re.compile(r"next\b|batch|load|fetch|data|read|randn|noise", re.I)
 
 
 def _same_batch_repeats(info) -> bool:
@@ -165,6 +166,8 @@ def _same_batch_repeats(info) -> bool:
     from synccheck.analyzer.project.branches import _COUNT_WORDS
     if any(_COUNT_WORDS.search(ast.unparse(a)) for a in loop.iter.args):
         return False        # ``for micro_step in range(gradient_accumulation_steps)``: the micro-steps themselves
+    if len(loop.iter.args) == 3:
+        return False        # ``for j in range(0, batch, chunk)``: a batch split into chunks
     var = loop.target.id
     compared = {id(n) for c in ast.walk(loop) if isinstance(c, ast.Compare) for n in ast.walk(c)}
     for node in ast.walk(loop):
