@@ -410,6 +410,11 @@ def _iterates_a_container(loop) -> bool:
     """``for v in outputs.values()``, ``for l in losses``: the elements of a value (not what a
     generator or a helper yields, which its own code says)."""
     it = loop.iter
+    if isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id in ("zip", "enumerate") and \
+            it.args and not it.keywords:
+        # ``for dr, dg in zip(disc_real_outputs, disc_generated_outputs)`` (HiFi-GAN's losses, in every
+        # VITS): the pairs are the lists' elements
+        return all(isinstance(a, (ast.Name, ast.Attribute, ast.Subscript)) for a in it.args)
     if isinstance(it, ast.Call):
         return isinstance(it.func, ast.Attribute) and it.func.attr in ("items", "values") and not it.args
     return isinstance(it, (ast.Name, ast.Attribute, ast.Subscript))

@@ -16,7 +16,7 @@ from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import called_name
 from synccheck.analyzer.project.index import Function
 from synccheck.analyzer.project.values import Ext, Framework, Func, Inst, Obj, Wrapper
-from synccheck.analyzer.project.traversal import children, walk
+from synccheck.analyzer.project.traversal import children, walk, walk_no_defs
 from synccheck.analyzer.project.rank_tests import RANK_NAME, RankTests, _kind, _negation, _ranked
 from synccheck.analyzer.project.collective_calls import (_COMMUNICATING, _case_value, _collective_aliases,
                                                          _full_state_dict_models, _is_wildcard, _runs_deepspeed,
@@ -254,7 +254,7 @@ class _RankChecker(RankTests):
 
     def _calls(self, expr, side, test, scope, found: list) -> None:
         for node, side, test in self._sided_calls(expr, side, test, scope):
-            what = self.collective(node, scope) or self._full_gather(node)
+            what = self.collective(node, scope) or self._full_gather(node, scope)
             if what == "save_state" and test and "DEEPSPEED" in test.upper():
                 # ``if distributed_type == DEEPSPEED or is_main_process: accelerator.save_state(...)``:
                 # under DeepSpeed (where save_state meets the others) every rank is in the block
@@ -298,15 +298,18 @@ class _RankChecker(RankTests):
                 yield node, at, said
             todo.extend((child, at, said) for child in children(node))
 
-    def _full_gather(self, call: ast.Call) -> Optional[str]:
+    def _full_gather(self, call: ast.Call, scope=None) -> Optional[str]:
         """``with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg): model.state_dict()``:
         FSDP all-gathers every parameter for it, on every rank (rank0_only only says who keeps it); so
         does ``FSDP.optim_state_dict(model, optimizer)`` there, ``FSDP.full_optim_state_dict`` anywhere, and
-        ``FSDP.summon_full_params(model)``."""
+        ``FSDP.summon_full_params(model)``. ``FSDP.set_state_dict_type(model, FULL_STATE_DICT, cfg)`` earlier
+        in the function sets the same for the rest of it (RSTnet's ``save_model``)."""
         func = call.func
         if not isinstance(func, ast.Attribute):
             return None
-        if func.attr == "state_dict" and not call.args and ast.unparse(func.value) in self._full_state_dict:
+        if func.attr == "state_dict" and not call.args and (
+                ast.unparse(func.value) in self._full_state_dict or
+                ast.unparse(func.value) in _set_full_state_dict(scope, call.lineno)):
             return "state_dict"
         if func.attr == "summon_full_params":
             # ``with FSDP.summon_full_params(model):`` all-gathers the shards, on every rank
@@ -384,10 +387,16 @@ class _RankChecker(RankTests):
                     self._deepspeed_engine(func.value, scope):
                 return "save_checkpoint"
             return None
-        if attr in ("save", "load"):
+        if attr in ("save", "load", "save_state_dict", "load_state_dict", "async_save"):
+            receiver = self.values.expr(func.value, scope)
+            if any(isinstance(v, Ext) and v.qualname == "torch.distributed.checkpoint" for v in receiver):
+                # ``dcp.save(state, checkpoint_id=path)``: every rank writes its shard, and the ranks
+                # agree on the plan first (torch.distributed.checkpoint's collectives)
+                return "dcp." + attr
+            if attr not in ("save", "load"):
+                return None
             # ``fabric.save(path, state)`` / ``fabric.load(path)``: Fabric ends both with a barrier that
             # every process must reach (a single-device Fabric has no other process to wait for)
-            receiver = self.values.expr(func.value, scope)
             fabrics = [v for v in receiver if isinstance(v, Framework) and v.kind == "fabric"]
             if fabrics and not all(v.single for v in fabrics):
                 return _kind("barrier")
@@ -533,7 +542,7 @@ class _RankChecker(RankTests):
         for call in walk(node):
             if not isinstance(call, ast.Call):
                 continue
-            what = self.collective(call, fn) or self._full_gather(call)
+            what = self.collective(call, fn) or self._full_gather(call, fn)
             if what:
                 out.add(what)
                 continue
@@ -621,3 +630,19 @@ def _names_checkpoints(project, framework) -> bool:
     module = project.module_at(site[0]) if site else None
     return module is not None and _AUTOMATIC_NAMING.search(module.text) is not None and \
         not accelerate_pinned_before(module.path, (0, 22))
+
+
+def _set_full_state_dict(scope, line: int) -> set:
+    """The models (their texts) a function puts in FULL_STATE_DICT mode before ``line`` with a bare
+    ``FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, ...)`` statement."""
+    node = getattr(scope, "node", None)
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return set()
+    out = set()
+    for stmt in walk_no_defs(node):
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and stmt.lineno < line:
+            c = stmt.value
+            if isinstance(c.func, ast.Attribute) and c.func.attr == "set_state_dict_type" and c.args and \
+                    "FULL_STATE_DICT" in ast.unparse(c):
+                out.add(ast.unparse(c.args[0]))
+    return out

@@ -29,23 +29,51 @@ def _through_local(call, scope) -> bool:
 
 
 def _registries(module) -> dict:
-    """function name -> the module-level dicts of this module that hold it as a value."""
+    """function name -> (registry, key) for the module-level dicts of this module that hold it as a
+    value: key None for ``REG = {"llama": parallelize_llama}``; for a dict of dicts, the inner key
+    (``LOADERS["msrvtt"] = {"train": dataloader_msrvtt_train, ...}``, or one nested literal:
+    ``("LOADERS", "train")``, called as ``LOADERS[args.datatype]["train"](args)``)."""
     found = module.derived.get("registries")
     if found is None:
         found = module.derived["registries"] = {}
+
+        def note(name, entry):
+            if entry not in found.get(name, ()):
+                found.setdefault(name, []).append(entry)
+
         for stmt in module.tree.body:
-            if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and isinstance(stmt.value, ast.Dict):
-                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
-                for target in targets:
-                    if isinstance(target, ast.Name):
-                        for v in stmt.value.values:
-                            if isinstance(v, ast.Name) and target.id not in found.get(v.id, ()):
-                                found.setdefault(v.id, []).append(target.id)
+            if not isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+                continue
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            for target in targets:
+                registry = target.id if isinstance(target, ast.Name) else None
+                inner = None
+                if registry is None and isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                    registry, inner = target.value.id, stmt.value     # ``REG["msrvtt"] = {...}`` / ``= f``
+                if registry is None:
+                    continue
+                if inner is not None and isinstance(inner, ast.Name):
+                    note(inner.id, (registry, None))
+                    continue
+                literal = inner if inner is not None else stmt.value
+                if not isinstance(literal, ast.Dict):
+                    continue
+                nested = [literal] if inner is not None else []
+                for v in literal.values:
+                    if isinstance(v, ast.Name) and inner is None:
+                        note(v.id, (registry, None))
+                    elif isinstance(v, ast.Dict) and inner is None:
+                        nested.append(v)
+                for d in nested:
+                    for k, v in zip(d.keys, d.values):
+                        if isinstance(v, ast.Name) and isinstance(k, ast.Constant) and isinstance(k.value, str):
+                            note(v.id, (registry, k.value))
     return found
 
 
-def _subscript_calls(module, registry: str) -> list:
-    """(scope, call) for the calls ``registry[key](...)`` (or ``mod.registry[key](...)``) in a module."""
+def _subscript_calls(module, registry: str, key=None) -> list:
+    """(scope, call) for the calls ``registry[k](...)`` (or ``mod.registry[k](...)``) in a module; with a
+    ``key``, ``registry[k][key](...)``."""
     out = []
     for scope in [module] + list(module.functions.values()):
         body = module.tree.body if scope is module else scope.node.body
@@ -53,11 +81,17 @@ def _subscript_calls(module, registry: str) -> list:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue            # (a function is a scope of its own)
             for c in walk_no_defs(stmt):
-                if isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript):
-                    base = c.func.value
-                    if (isinstance(base, ast.Name) and base.id == registry) or (
-                            isinstance(base, ast.Attribute) and base.attr == registry):
-                        out.append((scope, c))
+                if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Subscript)):
+                    continue
+                base = c.func.value
+                if key is not None:
+                    index = c.func.slice
+                    if not (isinstance(base, ast.Subscript) and isinstance(index, ast.Constant) and index.value == key):
+                        continue
+                    base = base.value
+                if (isinstance(base, ast.Name) and base.id == registry) or (
+                        isinstance(base, ast.Attribute) and base.attr == registry):
+                    out.append((scope, c))
     return out
 
 
@@ -394,11 +428,11 @@ class ParameterValues:
         for module in index[1].get(fn.node.name, ()):
             if self.project.resolve(module, fn.node.name) is not fn:
                 continue            # (another function of that name)
-            for registry in _registries(module)[fn.node.name]:
+            for registry, key in _registries(module)[fn.node.name]:
                 self.project.importers(module, (registry,))
                 for other in self.project.modules():
                     if registry + "[" in other.text:
-                        out.extend(_subscript_calls(other, registry))
+                        out.extend(_subscript_calls(other, registry, key))
         return out
 
     def _duck_call(self, fn: Function, scope, call) -> bool:

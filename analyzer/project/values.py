@@ -431,10 +431,29 @@ def _unwrapping(node: ast.IfExp):
 
 def _a_registry(ref) -> bool:
     """Is the module-level variable ``ref`` bound to a dict literal whose values are all names
-    (``PARALLELIZE = {"llama": parallelize_llama}``)?"""
+    (``PARALLELIZE = {"llama": parallelize_llama}``), or a dict of such dicts, one literal or filled
+    entry by entry at the module's level (``LOADERS = {}``, ``LOADERS["msrvtt"] = {"train": f, "val": None}``)?"""
+    def of_names(value, depth=0) -> bool:
+        if isinstance(value, (ast.Name, ast.Attribute)):
+            return True
+        if isinstance(value, ast.Constant) and value.value is None:
+            return True
+        return depth < 1 and isinstance(value, ast.Dict) and bool(value.values) and \
+            all(of_names(v, depth + 1) for v in value.values)
+
+    bound = entries = False
     for stmt in ref.module.tree.body:
-        if isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == ref.name for t in stmt.targets):
+        if not isinstance(stmt, ast.Assign):
+            continue
+        if any(isinstance(t, ast.Name) and t.id == ref.name for t in stmt.targets):
             value = stmt.value
-            return isinstance(value, ast.Dict) and bool(value.values) and \
-                all(isinstance(v, (ast.Name, ast.Attribute)) for v in value.values)
-    return False
+            if not isinstance(value, ast.Dict) or (value.values and not all(of_names(v) for v in value.values)):
+                return False
+            bound = True
+            entries = entries or bool(value.values)
+        elif any(isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == ref.name
+                 for t in stmt.targets):
+            if not of_names(stmt.value):
+                return False
+            entries = True
+    return bound and entries

@@ -37,6 +37,10 @@ COLLECTIVE_CALL = re.compile(COLLECTIVE_TEXT + r"|\.(?:synchronize_between_proce
                                                r"wait_for_everyone|gather_for_metrics)\(")
 _METHOD_COLLECTIVES = (".synchronize_between_processes(", ".all_reduce", ".all_gather", ".wait_for_everyone(",
                        ".gather_for_metrics(")
+# torch.distributed.checkpoint's save and load, under the names it is imported as (``import
+# torch.distributed.checkpoint as dcp``): every rank writes its shard and agrees on the plan
+DCP_CALL = re.compile(r"\b(?:dcp|DCP|dist_cp|distcp|dist_checkpoint|checkpoint)\.(?:save|load|save_state_dict|"
+                      r"load_state_dict|async_save)\(")
 
 
 # what may follow one of CALL_PREFIXES in a collective call: COLLECTIVE_TEXT without its prefix
@@ -167,8 +171,8 @@ class _CollectiveFunctions:
             if name in self.calls:
                 continue
             bodies = [self._body(m) for m in self.defs[name]]
-            if any(COLLECTIVE_CALL.search(b) or "FULL_STATE_DICT" in b or "full_optim_state_dict" in b
-                   for b in bodies):
+            if any(COLLECTIVE_CALL.search(b) or "FULL_STATE_DICT" in b or "full_optim_state_dict" in b or
+                   DCP_CALL.search(b) for b in bodies):
                 # (an FSDP full state dict all-gathers: rank_branches._full_gather)
                 self.runs.add(name)
             self.calls[name] = {c for b in bodies for c in CALLED.findall(b) if c in self.defs}
@@ -228,10 +232,12 @@ def _rank_branch_calls(text: str) -> bool:
     runs = None
     for body in _rank_blocks(text):
         if COLLECTIVE_CALL.search(body) or "FULL_STATE_DICT" in body or "full_optim_state_dict(" in body or \
+                (".state_dict()" in body and "FULL_STATE_DICT" in text) or DCP_CALL.search(body) or \
                 "summon_full_params(" in body or (
                 ".save_state(" in body and "accelerat" in text) or (
                 ".save_checkpoint(" in body and "deepspeed" in text):
-            # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers;
+            # (``with FSDP.state_dict_type(model, FULL_STATE_DICT): model.state_dict()`` all-gathers, as
+            # does a ``model.state_dict()`` in a rank block after ``FSDP.set_state_dict_type(model, FULL_...)``;
             # under DeepSpeed, ``accelerator.save_state`` saves through a barrier: whether it runs
             # DeepSpeed, the script or the launch configurations beside it say, read later)
             return True
@@ -367,6 +373,7 @@ class CollectiveInRankBranch(Rule):
         # substring tests first: the regexes are slow over a large file
         if not (any(f in text for f in FRAMEWORKS) and any(w in text for w in RANK_WORDS)
                 and (_has_collective(text) or "FULL_STATE_DICT" in text or "summon_full_params" in text or
+                     ("checkpoint" in text and DCP_CALL.search(text) is not None) or
                      (".save_state(" in text and "accelerat" in text) or _FABRIC_CHECKPOINT.search(text) is not None or
                      (".save_checkpoint(" in text and "deepspeed" in text))):
             return False
