@@ -19,7 +19,7 @@ from synccheck.analyzer.project.guards import TRUE, depends_on
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.values import Inst, Obj, Wrapper
 
-_SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync")
+_SYNC_TEXT = re.compile(r"no_sync|require_backward_grad_sync|set_requires_gradient_sync|disable_allreduce")
 
 
 class Branches:

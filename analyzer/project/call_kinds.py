@@ -20,7 +20,7 @@ FABRIC_REDIRECTED = frozenset(("training_step", "validation_step", "test_step", 
 
 # a training step's words: a function that says none of them only computes
 _EVENT_TEXT = re.compile(r"\bbackward\s*\(|\.step\s*\(|zero_grad|no_sync|require_backward_grad_sync|\.accumulate\s*\(|"
-                         r"set_requires_gradient_sync|no_backward_sync")
+                         r"set_requires_gradient_sync|no_backward_sync|disable_allreduce")
 
 
 def forward_dispatch(flow, targets, args, kws) -> bool:

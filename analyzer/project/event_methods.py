@@ -16,6 +16,7 @@ from typing import Optional
 from synccheck.analyzer.parse import dotted as _dotted
 from synccheck.analyzer.project import vocabulary as vocab
 from synccheck.analyzer.project.definitions import Function
+from synccheck.analyzer.project.guards import TRUE
 from synccheck.analyzer.project.state import EnvVal
 from synccheck.analyzer.project.value_helpers import _class_attrs, a_sequence
 from synccheck.analyzer.project.values import (ONE_UNKNOWN, Accumulator, Bag, Const, Ext, Framework, Inner, Inst, Obj,
@@ -220,6 +221,14 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
         enabled = kws.get("enabled") or (args[1] if len(args) > 1 else None)
         guard = _cond_of(flow, enabled, enabled_node, st, fr) if enabled is not None else None
         return _val(frozenset((FlowCtx("off", models, site, _text(fr, node), guard),)))
+    if attr in ("disable_allreduce", "enable_allreduce") and not args:
+        # apex DDP's switch, read by its backward hooks: off until turned on again (DeepSpeedExamples'
+        # ``model.disable_allreduce()`` on the micro-steps, ``enable_allreduce()`` on the boundary)
+        models = frozenset(m for m in program.wrappers(vals) if getattr(m, "kind", "") == "ddp")
+        if models:
+            on = attr == "enable_allreduce"
+            flag(flow, node, models, (TRUE, 0) if on else (0, TRUE), st, fr)
+        return NONE_VAL
     if attr == "set_requires_gradient_sync" and args:
         # FSDP2's switch (and composable replicate's): a DDP or FSDP1 wrapper the same name holds on
         # another path has no such method (tinyworlds' ``if isinstance(model, FSDPModule):`` before it)

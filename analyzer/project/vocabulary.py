@@ -33,7 +33,9 @@ WRAPPERS = {
 # OpenMMLab's subclasses of torch's wrappers (mmcv.parallel, mmengine.model) are the same wrappers.
 WRAPPER_TAILS = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp", "fully_shard": "fsdp2",
                  "MMDistributedDataParallel": "ddp", "MMFullyShardedDataParallel": "fsdp"}
-_WRAPPER_PACKAGES = ("torch.", "fairscale.", "mmcv.", "mmengine.")
+# (apex's ``apex.parallel.DistributedDataParallel`` all-reduces in backward hooks on every backward too;
+# it has no ``no_sync``, its switch is ``disable_allreduce()`` / ``enable_allreduce()``)
+_WRAPPER_PACKAGES = ("torch.", "fairscale.", "mmcv.", "mmengine.", "apex.")
 
 # DDP decides at *forward* time whether the next backward all-reduces (``_pre_forward`` prepares the
 # reducer only while ``require_backward_grad_sync`` is true); FSDP reads its switch during backward.
@@ -114,7 +116,7 @@ FRAMEWORK_PACKAGES = frozenset(("torch", "accelerate", "lightning", "pytorch_lig
                                 "fairscale", "timm", "synccheck"))
 
 EVENT_WORDS = ("backward", "step", "zero_grad", "no_sync", "accumulate", "require_backward_grad_sync",
-               "set_requires_gradient_sync", "no_backward_sync", "enter_context", "all_reduce")
+               "set_requires_gradient_sync", "no_backward_sync", "enter_context", "all_reduce", "disable_allreduce")
 
 
 def tail(qualname: str) -> str:
