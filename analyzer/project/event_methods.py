@@ -407,7 +407,8 @@ def _bound_to_a_fraction(flow, node, fr) -> bool:
                   for _, value, path in _class_attrs(flow.values, klass).get(node.attr, ()) if not path]
     else:
         return False
-    return any(isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) for v in values)
+    return any(isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) and (
+        isinstance(v.left, ast.Constant) or scales_by_count(v.right)) for v in values)
 
 
 def _scale_call(node) -> bool:

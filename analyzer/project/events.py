@@ -190,8 +190,13 @@ def expr(flow, node, st, fr) -> EnvVal:
         elif isinstance(node.op, ast.Mult) and (_grows(node.right) or _grows(node.left)):
             # ``loss * WORLD_SIZE``: made larger, not divided by the micro-steps
             scaled = left.scaled if _grows(node.right) else right.scaled
-        elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+        elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)) and (
+                left.prov or right.prov or left.scaled is not None or right.scaled is not None):
             scaled = True
+        elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
+            # no loss on either side (EDM's ``weight = (sigma ** 2 + sd ** 2) / (sigma * sd) ** 2``): a
+            # number, not a loss divided; a later ``weight * (D - y) ** 2`` is a weighted fresh loss
+            scaled = None
         elif left.scaled is False and right.scaled is False:
             scaled = False      # two fresh losses added: still undivided (``main_loss + aux_loss``)
         elif isinstance(node.op, (ast.Add, ast.Sub)) and {left.scaled, right.scaled} == {True, False} and \
@@ -523,7 +528,19 @@ def not_the_count(node: ast.BinOp, fn_node) -> bool:
       mean over what one micro-step holds."""
     return bool(_WORLD_SIZE.search(ast.unparse(node.right))) or \
         _per_batch(node.right) and not _MEASURED.search(ast.unparse(node.left)) or \
+        _per_device_mean(node) or \
         mean_over(node.left, node.right, node, fn_node)
+
+
+# one process's batch, by its configured name (CorrDiff's ``batch_size_per_gpu``): not the micro-steps'
+# count, which EDM writes into ``batch_gpu_total`` (per GPU times the rounds)
+_PER_DEVICE_BATCH = re.compile(r"^(?:[\w.]*\.)?(?:batch_size_per_(?:gpu|device|rank|proc)|"
+                               r"per_(?:gpu|device)_(?:train_)?batch_size|local_batch_size)$", re.I)
+
+
+def _per_device_mean(node: ast.BinOp) -> bool:
+    """``loss.sum() / batch_size_per_gpu``: a sum over this process's samples made their mean."""
+    return _PER_DEVICE_BATCH.search(ast.unparse(node.right)) is not None and ".sum(" in ast.unparse(node.left)
 
 
 def mean_over(numerator, divisor, at, fn_node) -> bool:
