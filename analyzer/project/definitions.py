@@ -239,13 +239,28 @@ class Module:
                 for field in ("body", "orelse", "finalbody"):
                     block = getattr(stmt, field, None)
                     if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                        before = dict(self.top) if top and field == "orelse" and isinstance(stmt, ast.If) else None
                         self._walk(block, cls, parent, prefix, top)
+                        if before is not None:
+                            self._keep_the_fuller(before, stmt)
                 for handler in getattr(stmt, "handlers", ()):
                     self._walk(handler.body, cls, parent, prefix, top)
                 if isinstance(stmt, ast.Match):
                     for case in stmt.cases:
                         self._walk(case.body, cls, parent, prefix, top)
         return None
+
+    def _keep_the_fuller(self, before: dict, stmt: ast.If) -> None:
+        """A function defined on both sides of a module-level ``if`` (``if parallel_method == "DDP": def
+        reduce_mean(t, n): dist.all_reduce(...)`` / ``else: def reduce_mean(t, n): return t``): one name,
+        two bodies, and which runs is the configuration's. The fuller one is kept: a fallback that does
+        nothing hides what the other side does (Ocean-E2E's all-reduce under a rank-0 test)."""
+        body_defs = {n.name for n in stmt.body if isinstance(n, FUNCTION_TYPES)}
+        for name in body_defs:
+            first, now = before.get(name), self.top.get(name)
+            if isinstance(first, Function) and isinstance(now, Function) and now is not first and \
+                    _size(first.node) >= _size(now.node):
+                self.top[name] = first
 
     def _import(self, stmt) -> None:
         if isinstance(stmt, ast.Import):
@@ -354,3 +369,7 @@ def qualified_name(symbol) -> str:
     if isinstance(symbol, ModuleRef):
         return symbol.module.name
     return ""
+
+
+def _size(fn_node) -> int:
+    return sum(1 for _ in ast.walk(fn_node))
