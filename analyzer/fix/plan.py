@@ -8,7 +8,6 @@ that changes them (a step that used unsynced gradients now syncs) is unsafe.
 from __future__ import annotations
 
 import ast
-import re
 
 from synccheck.analyzer.fix.schedule import (always_wrapped, boundary, forwards, model_text, null_context, pos, stable_from,
                                              static_graph, step_nodes)
@@ -67,9 +66,6 @@ def wasted(flow, pop, site) -> dict:
         name = model_text(module, calls[0])
         ops = []
         if kind in ("ddp", "fsdp"):
-            if kind == "ddp" and _apex(flow, pop.model):
-                raise NoFix("the model may be apex's DistributedDataParallel, which has no no_sync(): turn its "
-                            "all-reduce off with `disable_allreduce()` off the boundary, or use torch's DDP")
             if kind == "ddp" and static_graph(flow, pop.model):
                 raise NoFix("the model is DDP(static_graph=...), whose first iteration must sync (pytorch#143580), "
                             "and synccheck does not prove that the loop's gate lets it")
@@ -102,6 +98,9 @@ def wasted(flow, pop, site) -> dict:
         elif kind == "accelerate":
             ops.extend(_accelerate(module, back, bound, first, last, name))
             box["message"] = "Use `accelerator.accumulate(model)` with `gradient_accumulation_steps`"
+        elif kind == "apex":
+            raise NoFix("the model is apex's DistributedDataParallel, which has no no_sync(): turn its all-reduce "
+                        "off with `disable_allreduce()` off the boundary (`enable_allreduce()` on it), or use torch's DDP")
         else:
             raise NoFix(f"no automatic fix for a {kind} model")
         return ops
@@ -111,21 +110,6 @@ def wasted(flow, pop, site) -> dict:
     if "applicability" in result:
         result["message"] = box.get("message", "Turn gradient sync off off the boundary")
     return result
-
-
-def _apex(flow, model) -> bool:
-    """Was ``model`` made by a name the module may import from apex (``from apex.parallel import
-    DistributedDataParallel as DDP``, maybe in a ``try`` beside torch's)?"""
-    site = getattr(model, "site", None)
-    module = flow.program.project.module_at(site[0]) if site else None
-    if module is None or "apex" not in module.text:
-        return False
-    call = module.call_at(site[1], site[2]) if len(site) > 2 else None
-    func = getattr(call, "func", None)
-    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-    return bool(name) and re.search(r"apex\.parallel(?:\.distributed)?\.DistributedDataParallel\b|"
-                                    r"from apex\.parallel[\w.]* import[^\n]*\b" + re.escape(name) + r"\b",
-                                    module.text) is not None
 
 
 def _loose(test: str) -> str:

@@ -224,7 +224,7 @@ def _method(flow, node, attr: str, recv: EnvVal, args, kws, st, fr) -> Optional[
     if attr in ("disable_allreduce", "enable_allreduce") and not args:
         # apex DDP's switch, read by its backward hooks: off until turned on again (DeepSpeedExamples'
         # ``model.disable_allreduce()`` on the micro-steps, ``enable_allreduce()`` on the boundary)
-        models = frozenset(m for m in program.wrappers(vals) if getattr(m, "kind", "") == "ddp")
+        models = frozenset(m for m in program.wrappers(vals) if getattr(m, "kind", "") == "apex")
         if models:
             on = attr == "enable_allreduce"
             flag(flow, node, models, (TRUE, 0) if on else (0, TRUE), st, fr)

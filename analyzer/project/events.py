@@ -302,7 +302,11 @@ def expr(flow, node, st, fr) -> EnvVal:
         # ``sum(loss_dict[k] / accum for k in loss_dict)``: each element's scaling is the whole's
         prov = frozenset()
         for gen in node.generators:
-            prov |= expr(flow, gen.iter, st, fr).prov
+            iterated = expr(flow, gen.iter, st, fr).prov
+            if not _detached_element(node.elt, gen.target):
+                # (``[t.detach() for t in teacher_reps]``: the elements, cut from the graph, carry none
+                # of the forward that made the list, TinyBERT's teacher)
+                prov |= iterated
             for cond in gen.ifs:
                 expr(flow, cond, st, fr)
         elt = expr(flow, node.elt, st, fr)
@@ -320,6 +324,23 @@ def expr(flow, node, st, fr) -> EnvVal:
             for cond in sub.ifs:
                 expr(flow, cond, st, fr)
     return _val(ONE_UNKNOWN, prov)
+
+
+def _detached_element(elt, target) -> bool:
+    """Is a comprehension's element its own variable cut from the graph: ``t.detach()``,
+    ``t.detach().clone()``, ``t.item()``, ``t.data``?"""
+    if not isinstance(target, ast.Name):
+        return False
+    node, cut = elt, False
+    while True:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+            cut = cut or node.func.attr in ("detach", "item", "tolist", "numpy")
+            node = node.func.value
+        elif isinstance(node, ast.Attribute) and node.attr == "data":
+            cut, node = True, node.value
+        else:
+            break
+    return cut and isinstance(node, ast.Name) and node.id == target.id
 
 
 def _const_cond(value: EnvVal):

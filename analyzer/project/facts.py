@@ -141,7 +141,7 @@ class Population:
                 # wrapper (or a plain module on other runs): for this model's micro-steps the test holds
                 holds = flow.atoms.formula(flow.atoms.atoms[k], True)
                 records = [r[:4] + (r[4] & holds,) for r in records if r[4] & holds]
-        if getattr(model, "kind", None) in ("ddp", "fsdp"):
+        if getattr(model, "kind", None) in ("ddp", "fsdp", "apex"):
             # ``model.no_sync() if args.distributed and last else nullcontext()``: a DDP wrapper exists
             # only in a distributed job, so for its micro-steps a test of being distributed holds
             for atom in flow.atoms.atoms:

@@ -118,7 +118,7 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
         pending = frozenset(f.model for f in prop.forwards)
         # the models this backward runs through: those its loss came from whose forward ran on this
         # path (``if distributed: model = DDP(model)`` makes it a DDP backward on that path only)
-        mine = (models & pending) if models else pending
+        mine = (models & pending) if models else pending - _detached_forwards(fr, prop.forwards, node)
         if not mine:
             mine = frozenset((PLAIN,))
         tokens = list(prop.tokens)
@@ -440,3 +440,39 @@ def _reduces_gradients(node, fr) -> bool:
 # defined its own, so the parts may be imported in any order.
 from synccheck.analyzer.project.events import _prov, _val
 from synccheck.analyzer.project.event_methods import _name
+
+
+def _detached_forwards(fr, forwards, at) -> frozenset:
+    """The models of pending forwards whose every output the function has since rebound to a copy cut
+    from the graph (``teacher_reps, teacher_atts, _ = teacher(x)``, then ``teacher_reps = [t.detach()
+    for t in teacher_reps]``, TinyBERT): a loss of unknown origin does not run back through them."""
+    fn = getattr(fr.scope, "node", None)
+    if fn is None or not forwards:
+        return frozenset()
+    line = getattr(at, "lineno", 0)
+    assigns = [n for n in walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1]
+    out = set()
+    for f in forwards:
+        if f.site[0] != fr.module.path:
+            continue
+        made = next((a for a in assigns if a.lineno <= f.site[1] <= (a.end_lineno or a.lineno)), None)
+        if made is None:
+            continue
+        target = made.targets[0]
+        names = [e.id for e in (target.elts if isinstance(target, ast.Tuple) else [target])
+                 if isinstance(e, ast.Name) and e.id != "_"]
+        if names and all(any(_cuts(a, name) and made.lineno < a.lineno < line for a in assigns) for name in names):
+            out.add(f.model)
+    return frozenset(out)
+
+
+def _cuts(assign: ast.Assign, name: str) -> bool:
+    """``name = name.detach()`` or ``name = [t.detach() for t in name]``."""
+    from synccheck.analyzer.project.events import _detached_element
+    target, value = assign.targets[0], assign.value
+    if not (isinstance(target, ast.Name) and target.id == name):
+        return False
+    if isinstance(value, (ast.ListComp, ast.GeneratorExp)) and len(value.generators) == 1:
+        gen = value.generators[0]
+        return isinstance(gen.iter, ast.Name) and gen.iter.id == name and _detached_element(value.elt, gen.target)
+    return _detached_element(value, ast.Name(id=name))

@@ -13,7 +13,7 @@ from synccheck.analyzer.parse import dotted
 from synccheck.analyzer.project.guards import FALSE, TRUE
 
 # wrapper kinds fixed when the wrapper is built (an accelerate or fabric model's is decided at run time)
-DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2"))
+DECIDED_KINDS = frozenset(("ddp", "fsdp", "fsdp2", "apex"))
 
 
 _SWITCH = re.compile(r"(?:^|_)(?:ddp|distributed|dist|multi_gpu|data_parallel)(?:$|_)|is_initialized$")

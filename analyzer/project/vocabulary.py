@@ -33,16 +33,18 @@ WRAPPERS = {
 # OpenMMLab's subclasses of torch's wrappers (mmcv.parallel, mmengine.model) are the same wrappers.
 WRAPPER_TAILS = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp", "fully_shard": "fsdp2",
                  "MMDistributedDataParallel": "ddp", "MMFullyShardedDataParallel": "fsdp"}
-# (apex's ``apex.parallel.DistributedDataParallel`` all-reduces in backward hooks on every backward too;
-# it has no ``no_sync``, its switch is ``disable_allreduce()`` / ``enable_allreduce()``)
-_WRAPPER_PACKAGES = ("torch.", "fairscale.", "mmcv.", "mmengine.", "apex.")
+_WRAPPER_PACKAGES = ("torch.", "fairscale.", "mmcv.", "mmengine.")
+# apex's DistributedDataParallel all-reduces in backward hooks on every backward too. It has no
+# ``no_sync``: its switch is ``disable_allreduce()`` / ``enable_allreduce()``, read by those hooks (in the
+# backward, as FSDP reads its own)
+_APEX_PACKAGES = ("apex.parallel.", "apex.")
 
 # DDP decides at *forward* time whether the next backward all-reduces (``_pre_forward`` prepares the
 # reducer only while ``require_backward_grad_sync`` is true); FSDP reads its switch during backward.
 # Accelerate and Fabric wrap DDP in the multi-GPU case.
 FORWARD_DECIDES = frozenset(("ddp", "accelerate", "fabric"))
 # Kinds whose accumulation the user must manage: DeepSpeed's engine does it itself.
-DATA_PARALLEL = frozenset(("ddp", "fsdp", "fsdp2", "accelerate", "fabric"))
+DATA_PARALLEL = frozenset(("ddp", "fsdp", "fsdp2", "accelerate", "fabric", "apex"))
 
 ACCELERATOR = frozenset(("accelerate.Accelerator", "accelerate.accelerator.Accelerator"))
 FABRIC = frozenset(("lightning.Fabric", "lightning.fabric.Fabric", "lightning.fabric.fabric.Fabric",
@@ -131,6 +133,8 @@ def wrapper_kind(qualname: str) -> str:
     last = tail(qualname)
     if last in WRAPPER_TAILS and (qualname == last or qualname.startswith(_WRAPPER_PACKAGES)):
         return WRAPPER_TAILS[last]
+    if last == "DistributedDataParallel" and qualname.startswith(_APEX_PACKAGES):
+        return "apex"
     return ""
 
 
