@@ -119,6 +119,10 @@ def backward(flow, node, loss: Optional[EnvVal], via: str, st, fr, engines: froz
         # the models this backward runs through: those its loss came from whose forward ran on this
         # path (``if distributed: model = DDP(model)`` makes it a DDP backward on that path only)
         mine = (models & pending) if models else pending - _detached_forwards(fr, prop.forwards, node)
+        if models:
+            # a forward whose result is thrown away (``student_model(ids)``, its states read back through
+            # forward hooks, NVIDIA's distillation): what the loss is made of cannot rule it out
+            mine |= frozenset(f.model for f in prop.forwards if _result_discarded(flow, f.site))
         if not mine:
             mine = frozenset((PLAIN,))
         tokens = list(prop.tokens)
@@ -476,3 +480,20 @@ def _cuts(assign: ast.Assign, name: str) -> bool:
         gen = value.generators[0]
         return isinstance(gen.iter, ast.Name) and gen.iter.id == name and _detached_element(value.elt, gen.target)
     return _detached_element(value, ast.Name(id=name))
+
+
+def _result_discarded(flow, site) -> bool:
+    """Is the forward call at ``site`` a statement by itself, its result unused?"""
+    cache = flow.__dict__.setdefault("_discarded_forwards", {})
+    found = cache.get(site)
+    if found is None:
+        module = flow.program.project.module_at(site[0])
+        found = False
+        if module is not None and len(site) > 2:
+            for stmt in walk(module.tree):
+                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and \
+                        stmt.value.lineno == site[1] and stmt.value.col_offset == site[2]:
+                    found = True
+                    break
+        cache[site] = found
+    return found
