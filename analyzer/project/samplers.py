@@ -147,7 +147,7 @@ def samplers_without_set_epoch(program) -> list:
                 # a builder function (``get_loader(args)`` in utils/data_utils.py): the fix belongs in the
                 # epoch loop of the script that takes its loader, so that script is told too
                 sites += [site for site in _takers_of(program, sampler)
-                          if site[0] is not module and _loops_over_epochs(site[0]) and
+                          if site[0] is not module and _epochs_at(program, site) and
                           not _left_off_by(program, scope, call, site) and
                           not any(m is site[0] or _import_related(m, site[0]) for m in unknown_in)]
             if isinstance(scope, Function) and scope.cls is None or scope is module:
@@ -174,7 +174,7 @@ def samplers_without_set_epoch(program) -> list:
                      if site[0] is not module and not _left_off_by(program, scope, call, site) and
                      not any(m is module or m is site[0] or _import_related(m, site[0])
                              for m in seeded.get(sampler, set()) | unknown_in) and
-                     _loops_over_epochs(site[0])]
+                     _epochs_at(program, site)]
         if not sites and sampler in seeded:
             sites = _calls_left_unseeded(program, sampler)
         if not sites:
@@ -194,6 +194,18 @@ def samplers_without_set_epoch(program) -> list:
             out.append(UnseededSampler(site_module, node, name, any(map(here, once.get(sampler, ()))),
                                        test if tested_in is not None and here(tested_in) else ""))
     return out
+
+
+def _epochs_at(program, site) -> bool:
+    """Does the taking site's module loop over epochs, or, for a trainer's method
+    (``self.dataloader = get_dataset(...)`` in ``before_train``), the module of one of its class's bases
+    (the template trainer's ``for self.epoch in range(...): before_iter(); train_in_iter()``, IDDM)?"""
+    module, _, _, scope = site
+    if _loops_over_epochs(module):
+        return True
+    cls = scope.cls if isinstance(scope, Function) else None
+    return cls is not None and any(base.module is not module and _loops_over_epochs(base.module)
+                                   for base in program.project.mro(cls))
 
 
 def _calls_left_unseeded(program, sampler) -> list:
