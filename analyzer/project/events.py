@@ -549,19 +549,28 @@ def not_the_count(node: ast.BinOp, fn_node) -> bool:
       mean over what one micro-step holds."""
     return bool(_WORLD_SIZE.search(ast.unparse(node.right))) or \
         _per_batch(node.right) and not _MEASURED.search(ast.unparse(node.left)) or \
-        _per_device_mean(node) or \
+        _per_device_mean(node, fn_node) or \
         mean_over(node.left, node.right, node, fn_node)
 
 
 # one process's batch, by its configured name (CorrDiff's ``batch_size_per_gpu``): not the micro-steps'
 # count, which EDM writes into ``batch_gpu_total`` (per GPU times the rounds)
 _PER_DEVICE_BATCH = re.compile(r"^(?:[\w.]*\.)?(?:batch_size_per_(?:gpu|device|rank|proc)|"
-                               r"per_(?:gpu|device)_(?:train_)?batch_size|local_batch_size)$", re.I)
+                               r"per_(?:gpu|device)_(?:train_)?batch_size)$", re.I)
 
 
-def _per_device_mean(node: ast.BinOp) -> bool:
-    """``loss.sum() / batch_size_per_gpu``: a sum over this process's samples made their mean."""
-    return _PER_DEVICE_BATCH.search(ast.unparse(node.right)) is not None and ".sum(" in ast.unparse(node.left)
+def _per_device_mean(node: ast.BinOp, fn_node=None) -> bool:
+    """``loss.sum() / batch_size_per_gpu``: a sum over this process's samples made their mean. Not when
+    the micro-steps' loop counts by that size (``for mb in range(batch_size_per_gpu // micro_batch_size)``:
+    the size is the whole window's, and the division its 1/N, Lumina's)."""
+    divisor = ast.unparse(node.right)
+    if _PER_DEVICE_BATCH.search(divisor) is None or ".sum(" not in ast.unparse(node.left):
+        return False
+    line = getattr(node, "lineno", 0)
+    if fn_node is not None and any(isinstance(loop, ast.For) and loop.lineno < line <= (loop.end_lineno or 0) and
+                                   divisor in ast.unparse(loop.iter) for loop in walk(fn_node)):
+        return False
+    return True
 
 
 def mean_over(numerator, divisor, at, fn_node) -> bool:

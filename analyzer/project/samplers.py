@@ -186,7 +186,11 @@ def samplers_without_set_epoch(program) -> list:
         for site_module, node, name, site_scope in sites:
             where = site_scope.node.name if isinstance(site_scope, Function) else ""
             built_on = _text(site_module, node.args[0]) if node is call and call.args else ""
-            if _EVALUATION.search(f"{name} {built_on}") or _EVALUATION_FUNCTION.search(where):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                # ``DATALOADER_DICT[args.datatype]["train_test"](args, tokenizer)``: the registry's key
+                built_on += " " + _text(site_module, node.func.slice)
+            if _EVALUATION.search(f"{name} {built_on}") or _EVALUATION_FUNCTION.search(where) or \
+                    _EVALUATION_BUILDER.search(where):
                 continue    # an evaluation pass gives the same metrics in any order
             def here(m, site_module=site_module) -> bool:
                 return node is call or m is module or m is site_module or _import_related(m, site_module)
@@ -194,6 +198,10 @@ def samplers_without_set_epoch(program) -> list:
             out.append(UnseededSampler(site_module, node, name, any(map(here, once.get(sampler, ()))),
                                        test if tested_in is not None and here(tested_in) else ""))
     return out
+
+
+# a builder named for what it loads for evaluation (``dataloader_msrvtt_test``, ``..._train_test``)
+_EVALUATION_BUILDER = re.compile(r"(?i)(?:^|_)(?:test|val|valid|eval|evaluation|validation)$")
 
 
 def _epochs_at(program, site) -> bool:
