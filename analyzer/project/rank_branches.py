@@ -113,6 +113,14 @@ def _unbalanced(module, found: list, guarded=frozenset(), exiting=frozenset()) -
         if leaving and len(extra) - len(leaving) == len(fewer) and len(leaving) <= len(fewer) and \
                 not any(id(f[0]) in exiting for f in fewer):
             continue        # (each path of the busier side runs as many: the one that leaves early, or the rest)
+        through_calls = [f for f in extra if f[4]]
+        if through_calls and len(through_calls) < len(extra) and len(extra) - len(fewer) <= len(through_calls) and \
+                not any(f[4] for f in fewer):
+            # the busier side's own collectives pair with the other side's (the download-first barriers,
+            # ``if rank not in (-1, 0): barrier()`` ... ``if rank == 0: barrier()``); what it runs more is
+            # what it reaches through calls (``evaluate()`` on rank 0 only, whose helper runs its own
+            # pair: AnswerExtract)
+            extra = through_calls
         for node, what, side, test, through in extra:
             out.append(RankCollective(module, node, what, test, through))
     return out
