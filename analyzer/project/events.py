@@ -193,6 +193,11 @@ def expr(flow, node, st, fr) -> EnvVal:
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)) and (
                 left.prov or right.prov or left.scaled is not None or right.scaled is not None):
             scaled = True
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and (
+                isinstance(node.left, ast.Constant) or scales_by_count(node.right)):
+            # no loss on either side, but a share of a count (StyleGAN's ``gain = 1.0 / num_rounds``,
+            # handed to the helper that runs ``loss.mean().mul(gain).backward()``): the 1/N to come
+            scaled = True
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)):
             # no loss on either side (EDM's ``weight = (sigma ** 2 + sd ** 2) / (sigma * sd) ** 2``): a
             # number, not a loss divided; a later ``weight * (D - y) ** 2`` is a weighted fresh loss
