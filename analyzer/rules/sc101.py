@@ -5,6 +5,10 @@ FIX = ("run the forward and backward of every micro-step but the last inside `mo
 # a model Fabric set up: its own context, which a loop's "is accumulating" flag drives
 FIX_FABRIC = ("run the forward and backward of every micro-step but the last inside "
               "`fabric.no_backward_sync(model, enabled=is_accumulating)` (or use `synccheck.runtime.GradientAccumulator`)")
+# apex's DistributedDataParallel: no no_sync, a switch its backward hooks read
+FIX_APEX = ("call `model.disable_allreduce()` before the backward of every micro-step but the last and "
+            "`model.enable_allreduce()` before the last (apex's DDP has no `no_sync()`), or wrap the model in "
+            "torch's DistributedDataParallel")
 # a model accelerate prepared, stepped inside an ``accumulate()`` that does not name it (a GAN's
 # ``accumulate(generator)`` with the discriminator trained beside it)
 FIX_PREPARED = ("name {name} in the accumulate context too: `accelerator.accumulate(...)` takes several models "
@@ -199,7 +203,9 @@ class SyncEveryMicrostep(Rule):
                     ctx.report(self, module, node, msg, FIX_PREPARED.format(name=name),
                                autofix=lambda: {"reason": "which accumulate() context to widen is for you to decide"})
                     continue
-                ctx.report(self, module, node, msg, FIX_FABRIC if getattr(model, "kind", "") == "fabric" else FIX,
+                kind = getattr(model, "kind", "")
+                fix = FIX_FABRIC if kind == "fabric" else FIX_APEX if kind == "apex" else FIX
+                ctx.report(self, module, node, msg, fix,
                            autofix=lambda flow=flow, pop=outcomes, site=site: plan.wasted(flow, pop, site))
 
 
