@@ -233,9 +233,9 @@ def _owned(flow, optims: frozenset) -> Optional[frozenset]:
         if not owners:
             return None
         out |= flow.program.models_of(owners)
-        if not out:
-            return None
-    return frozenset(out)
+    # (after the loop: an optimizer of a plain module beside a wrapper's, one per caller, adds no model;
+    # tested inside the loop, the answer hung on which of the two a frozenset gave first)
+    return frozenset(out) if out else None
 
 
 def step(flow, node, optims: frozenset, st, fr, unknown: bool = False) -> None:
