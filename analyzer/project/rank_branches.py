@@ -145,6 +145,15 @@ class _RankChecker(RankTests):
         return isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and \
             any(self._sides(v, scope, 0) == (None, None) for v in test.values)
 
+    def _main_and_more(self, test, scope) -> bool:
+        """Is ``test`` (or the one name it is bound to in the function) the main rank's test joined by
+        ``and`` to a test that is not about the ranks?"""
+        if isinstance(test, ast.Name) and isinstance(scope, Function):
+            bound = self.values.info(scope).assigns.get(test.id, ())
+            if len(bound) == 1 and not bound[0][1]:
+                test = bound[0][0]
+        return self._extra_condition(test, scope)
+
     def walk(self, stmts, side: Optional[str], test: Optional[str], scope, found: list) -> Optional[tuple]:
         """Collect the collectives of ``stmts`` with the side of the rank tests they run on. Returns
         (side, test) where a rank branch returns and only the other side goes on past ``stmts``."""
@@ -158,6 +167,11 @@ class _RankChecker(RankTests):
                     self._calls(stmt.test, side, test, scope, found)
                     self.walk(stmt.orelse if read[0] == "single" else stmt.body, side, test, scope, found)
                     continue
+                if on_true == "main" and on_false is None and stmt.orelse and self._main_and_more(stmt.test, scope):
+                    # ``if hv is not None and local_rank == 0: ... load_checkpoint(...) else: ...
+                    # load_checkpoint(...)`` (OpenDiloco): every other rank takes the else side (with the
+                    # main rank when the other test fails), so what it runs answers the main side's
+                    on_false = "other"
                 if (on_true is not None or on_false is not None) and side is None:
                     text, negated = ast.unparse(stmt.test), _negation(stmt.test)
                     # ``if rank == 0 and not os.path.exists(cache):``: the main side runs only when
