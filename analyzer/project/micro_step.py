@@ -454,7 +454,10 @@ def _detached_forwards(fr, forwards, at) -> frozenset:
     if fn is None or not forwards:
         return frozenset()
     line = getattr(at, "lineno", 0)
-    assigns = [n for n in walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1]
+    cache = fr.__dict__.setdefault("_single_assigns", {}) if hasattr(fr, "__dict__") else {}
+    assigns = cache.get(id(fn))
+    if assigns is None:
+        assigns = cache[id(fn)] = [n for n in walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1]
     out = set()
     for f in forwards:
         if f.site[0] != fr.module.path:
