@@ -190,7 +190,7 @@ def samplers_without_set_epoch(program) -> list:
                 # ``DATALOADER_DICT[args.datatype]["train_test"](args, tokenizer)``: the registry's key
                 built_on += " " + _text(site_module, node.func.slice)
             if _EVALUATION.search(f"{name} {built_on}") or _EVALUATION_FUNCTION.search(where) or \
-                    _EVALUATION_BUILDER.search(where):
+                    (node is call and _EVALUATION_BUILDER.search(where)):
                 continue    # an evaluation pass gives the same metrics in any order
             def here(m, site_module=site_module) -> bool:
                 return node is call or m is module or m is site_module or _import_related(m, site_module)
@@ -200,7 +200,8 @@ def samplers_without_set_epoch(program) -> list:
     return out
 
 
-# a builder named for what it loads for evaluation (``dataloader_msrvtt_test``, ``..._train_test``)
+# a builder named for what it loads for evaluation (``dataloader_msrvtt_test``, ``..._train_test``); read
+# where the sampler is built only (HydraGNN's ``train_validate_test`` is the function that trains)
 _EVALUATION_BUILDER = re.compile(r"(?i)(?:^|_)(?:test|val|valid|eval|evaluation|validation)$")
 
 
