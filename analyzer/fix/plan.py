@@ -99,8 +99,9 @@ def wasted(flow, pop, site) -> dict:
             ops.extend(_accelerate(module, back, bound, first, last, name))
             box["message"] = "Use `accelerator.accumulate(model)` with `gradient_accumulation_steps`"
         elif kind == "apex":
-            raise NoFix("the model is apex's DistributedDataParallel, which has no no_sync(): turn its all-reduce "
-                        "off with `disable_allreduce()` off the boundary (`enable_allreduce()` on it), or use torch's DDP")
+            raise NoFix("the model is apex's DistributedDataParallel, which has no no_sync(): turn its "
+                        "all-reduce off with `disable_allreduce()` off the boundary (`enable_allreduce()` on "
+                        "it), or use torch's DDP")
         else:
             raise NoFix(f"no automatic fix for a {kind} model")
         return ops

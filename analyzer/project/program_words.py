@@ -20,7 +20,8 @@ STEP_WORDS = ("step",)
 SYNC_WORDS = ("no_sync", "require_backward_grad_sync", "set_requires_gradient_sync", "no_backward_sync",
               "accumulate", "disable_allreduce")
 EVENT_CALLS = frozenset(("backward", "step", "zero_grad", "no_sync", "accumulate", "set_requires_gradient_sync",
-                         "no_backward_sync", "enter_context", "disable_allreduce", "enable_allreduce")) | vocab.GRAD_SYNC
+                         "no_backward_sync", "enter_context", "disable_allreduce",
+                         "enable_allreduce")) | vocab.GRAD_SYNC
 MAX_ROOT_WORK = 400_000
 # a root's own text holds one of these (the backward may be in a helper; the step, zero_grad or a
 # sync control is where the schedule is)

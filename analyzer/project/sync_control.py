@@ -22,7 +22,8 @@ from synccheck.analyzer.project.values import Ext, Inst, Obj, Unknown, site_of
 
 HARMLESS_CONTEXTS = ("torch.", "contextlib.", "nullcontext", "open", "tqdm", "warnings.", "autocast", "record_function",
                      "profile", "Timer", "timer", "amp.", "accelerate.", "main_process_first", "local_main_process_first",
-                     "logging", "wandb", "mlflow", "tempfile", "zipfile", "tarfile", "sdpa_kernel", "sdp_kernel", "nvtx")
+                     "logging", "wandb", "mlflow", "tempfile", "zipfile", "tarfile", "sdpa_kernel", "sdp_kernel",
+                     "nvtx")
 
 
 def push_controls(flow, node, value: EnvVal, st, fr, owner: int, at=None) -> None:
