@@ -407,8 +407,13 @@ def _bound_to_a_fraction(flow, node, fr) -> bool:
                   for _, value, path in _class_attrs(flow.values, klass).get(node.attr, ()) if not path]
     else:
         return False
-    return any(isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) and (
-        isinstance(v.left, ast.Constant) or scales_by_count(v.right)) for v in values)
+    return any(isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div) and share_of_a_count(v) for v in values)
+
+
+def share_of_a_count(division: ast.BinOp) -> bool:
+    """``1.0 / accum``, ``x / num_accumulation_rounds``: a constant over anything, or anything over a name
+    that says it counts (scales_by_count), the 1/N an accumulation divides by."""
+    return isinstance(division.left, ast.Constant) or scales_by_count(division.right)
 
 
 def _scale_call(node) -> bool:

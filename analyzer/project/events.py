@@ -193,8 +193,7 @@ def expr(flow, node, st, fr) -> EnvVal:
         elif isinstance(node.op, (ast.Div, ast.Mult, ast.FloorDiv)) and (
                 left.prov or right.prov or left.scaled is not None or right.scaled is not None):
             scaled = True
-        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and (
-                isinstance(node.left, ast.Constant) or scales_by_count(node.right)):
+        elif isinstance(node.op, (ast.Div, ast.FloorDiv)) and share_of_a_count(node):
             # no loss on either side, but a share of a count (StyleGAN's ``gain = 1.0 / num_rounds``,
             # handed to the helper that runs ``loss.mean().mul(gain).backward()``): the 1/N to come
             scaled = True
@@ -525,6 +524,7 @@ from synccheck.analyzer.project.inlining import (_freeze, _literal_default, _ret
                                                  inline)
 from synccheck.analyzer.project.event_methods import (_COUNT_WORDS, _UNWEIGHTED, _external, _method, _name,
                                                       _native_scaler, _scale_call, _unknown, scales_by_count,
+                                                      share_of_a_count,
                                                       weighted)
 from synccheck.analyzer.project.micro_step import (_each, _owned, _sync_gradients_atom, backward, collective, flag,
                                                    forward, step, zero_grad)

@@ -454,7 +454,7 @@ def _detached_forwards(fr, forwards, at) -> frozenset:
     if fn is None or not forwards:
         return frozenset()
     line = getattr(at, "lineno", 0)
-    cache = fr.__dict__.setdefault("_single_assigns", {}) if hasattr(fr, "__dict__") else {}
+    cache = fr.__dict__.setdefault("_single_assigns", {})
     assigns = cache.get(id(fn))
     if assigns is None:
         assigns = cache[id(fn)] = [n for n in walk(fn) if isinstance(n, ast.Assign) and len(n.targets) == 1]
@@ -486,17 +486,14 @@ def _cuts(assign: ast.Assign, name: str) -> bool:
 
 
 def _result_discarded(flow, site) -> bool:
-    """Is the forward call at ``site`` a statement by itself, its result unused?"""
-    cache = flow.__dict__.setdefault("_discarded_forwards", {})
-    found = cache.get(site)
-    if found is None:
-        module = flow.program.project.module_at(site[0])
-        found = False
-        if module is not None and len(site) > 2:
-            for stmt in walk(module.tree):
-                if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) and \
-                        stmt.value.lineno == site[1] and stmt.value.col_offset == site[2]:
-                    found = True
-                    break
-        cache[site] = found
-    return found
+    """Is the forward call at ``site`` a statement by itself, its result unused? (The positions of a
+    module's statement calls are indexed once per module.)"""
+    module = flow.program.project.module_at(site[0])
+    if module is None or len(site) < 3:
+        return False
+    positions = module.derived.get("statement calls")
+    if positions is None:
+        positions = module.derived["statement calls"] = frozenset(
+            (stmt.value.lineno, stmt.value.col_offset) for stmt in walk(module.tree)
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call))
+    return (site[1], site[2]) in positions

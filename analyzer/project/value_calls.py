@@ -364,7 +364,7 @@ class CallValues:
             # ``if hasattr(model, "module"): return model.module`` / ``return model`` (open_clip's
             # unwrap_model): the module inside where it is a wrapper, never the wrapper (as the
             # conditional expression in Values.expr)
-            return frozenset(Inner(v) if isinstance(v, Wrapper) and v.kind in ("ddp", "fsdp", "dp", "apex") else v
+            return frozenset(Inner(v) if isinstance(v, Wrapper) and v.kind in vocab.MODULE_INSIDE else v
                              for v in self.name(unwrapped, fn))
         out = set()
         for value in info.returns:

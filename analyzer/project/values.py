@@ -327,7 +327,7 @@ class Values(AttributeValues, ContainerValues, ParameterValues, CallValues, Fram
             if unwrapped is not None:
                 # ``model.module if is_parallel(model) else model`` (YOLO's de_parallel): the module
                 # inside where it is a wrapper, the model itself where it is not: never the wrapper
-                return frozenset(Inner(v) if isinstance(v, Wrapper) and v.kind in ("ddp", "fsdp", "dp", "apex") else v
+                return frozenset(Inner(v) if isinstance(v, Wrapper) and v.kind in vocab.MODULE_INSIDE else v
                                  for v in self.expr(unwrapped, scope))
             return self.expr(node.body, scope) | self.expr(node.orelse, scope)
         if t is ast.BoolOp:

@@ -34,10 +34,12 @@ WRAPPERS = {
 WRAPPER_TAILS = {"DistributedDataParallel": "ddp", "FullyShardedDataParallel": "fsdp", "fully_shard": "fsdp2",
                  "MMDistributedDataParallel": "ddp", "MMFullyShardedDataParallel": "fsdp"}
 _WRAPPER_PACKAGES = ("torch.", "fairscale.", "mmcv.", "mmengine.")
-# apex's DistributedDataParallel all-reduces in backward hooks on every backward too. It has no
-# ``no_sync``: its switch is ``disable_allreduce()`` / ``enable_allreduce()``, read by those hooks (in the
-# backward, as FSDP reads its own)
-_APEX_PACKAGES = ("apex.parallel.", "apex.")
+# apex's DistributedDataParallel (``apex.`` packages) all-reduces in backward hooks on every backward too.
+# It has no ``no_sync``: its switch is ``disable_allreduce()`` / ``enable_allreduce()``, read by those hooks
+# (in the backward, as FSDP reads its own)
+_APEX_PACKAGE = "apex."
+# Kinds whose ``.module`` is the module inside the wrapper (DataParallel's "dp" too).
+MODULE_INSIDE = frozenset(("ddp", "fsdp", "dp", "apex"))
 
 # DDP decides at *forward* time whether the next backward all-reduces (``_pre_forward`` prepares the
 # reducer only while ``require_backward_grad_sync`` is true); FSDP reads its switch during backward.
@@ -133,7 +135,7 @@ def wrapper_kind(qualname: str) -> str:
     last = tail(qualname)
     if last in WRAPPER_TAILS and (qualname == last or qualname.startswith(_WRAPPER_PACKAGES)):
         return WRAPPER_TAILS[last]
-    if last == "DistributedDataParallel" and qualname.startswith(_APEX_PACKAGES):
+    if last == "DistributedDataParallel" and qualname.startswith(_APEX_PACKAGE):
         return "apex"
     return ""
 
